@@ -1,0 +1,127 @@
+"""The `LossScale` protocol shared by every loss scale."""
+
+import abc
+import functools
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import numpy as np
+
+from jax_lossscale._tree import (
+    AxisName,
+    PyTree,
+    check_array_leaves,
+    divide_keep_dtype,
+    map_floating,
+    multiply_keep_dtype,
+)
+
+_Self = TypeVar("_Self", bound="LossScale")
+
+
+class LossScale(abc.ABC):
+    """Base class of loss scales: hyperparameters here, values in a state pytree.
+
+    A loss scale object is immutable and holds only hyperparameters. Everything
+    that changes during training lives in the state returned by `init`, a pytree
+    of arrays that is passed to and returned from `update`, so it works under
+    `jit`, `pmap` and `shard_map` and checkpoints like any other pytree.
+
+    Subclasses implement `init`, `__call__`, `update` and `get_config`; `scale`,
+    `unscale` and `from_config` come with it. Decorate a subclass with
+    `jax_lossscale.register` to make it known to `deserialize` and `get`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> ls = jls.FixedLossScale(128.0)
+      >>> state = ls.init()
+      >>> ls.scale(state, jnp.float32(0.5))
+      Array(64., dtype=float32)
+    """
+
+    @abc.abstractmethod
+    def init(self) -> PyTree:
+        """Returns the initial state, a pytree of arrays."""
+
+    @abc.abstractmethod
+    def __call__(self, state: PyTree) -> jax.Array:
+        """Returns the current loss scale held in `state`, a float32 scalar array."""
+
+    @abc.abstractmethod
+    def update(
+        self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
+    ) -> tuple[PyTree, jax.Array]:
+        """Advances the state given this step's unscaled gradients.
+
+        Args:
+          state: the current state.
+          grads: the gradients of this step, already unscaled.
+          axis_name: inside `pmap` or `shard_map`, the axis over which devices
+            must agree on whether the step is finite.
+
+        Returns:
+          `(new_state, should_apply)`, where `should_apply` is a boolean scalar
+          array: whether the gradients of this step should be applied.
+        """
+
+    @abc.abstractmethod
+    def get_config(self) -> dict[str, Any]:
+        """Returns the hyperparameters as a JSON-serializable dict."""
+
+    @classmethod
+    def from_config(cls: type[_Self], config: dict[str, Any]) -> _Self:
+        """Builds a loss scale from the dict returned by `get_config`."""
+        if not isinstance(config, dict):
+            raise TypeError(f"{cls.__name__}.from_config(config={config!r}): config must be a dict")
+        return cls(**config)
+
+    def scale(self, state: PyTree, tree: PyTree) -> PyTree:
+        """Multiplies every floating leaf of `tree` (usually the loss) by the scale.
+
+        The product is computed in float32 (or wider) and each leaf keeps its
+        own dtype; non-floating leaves are returned unchanged.
+        """
+        check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
+        loss_scale = self(state)
+        return map_floating(lambda leaf: multiply_keep_dtype(leaf, loss_scale), tree)
+
+    def unscale(self, state: PyTree, grads: PyTree) -> PyTree:
+        """Divides every floating leaf of `grads` by the scale.
+
+        The division is computed in float32 (or wider) and each leaf keeps its
+        own dtype; non-floating leaves are returned unchanged.
+        """
+        check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
+        loss_scale = self(state)
+        return map_floating(lambda leaf: divide_keep_dtype(leaf, loss_scale), grads)
+
+
+def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> None:
+    """Raises unless `state` is a `state_type` of scalar arrays of the dtypes `owner.init()` gives.
+
+    The check runs on shapes and dtypes only, so it passes for tracers at trace time.
+    """
+    name = type(owner).__name__
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{name}: state must be the {state_type.__name__} returned by {name}.init(), "
+            f"got {type(state).__name__}"
+        )
+    expected = _state_template(owner)
+    for field, value, template in zip(state._fields, state, expected, strict=True):
+        if not isinstance(value, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"{name}: state.{field} must be an array, got {type(value).__name__} ({value!r})"
+            )
+        if value.shape != template.shape or value.dtype != template.dtype:
+            raise ValueError(
+                f"{name}: state.{field} must be a {template.dtype} array of shape "
+                f"{template.shape}, got {value.dtype} of shape {value.shape} (a state replicated "
+                "for pmap has scalar leaves only inside the pmapped function)"
+            )
+
+
+@functools.lru_cache(maxsize=128)
+def _state_template(owner: LossScale) -> Any:
+    return jax.eval_shape(owner.init)

@@ -1,0 +1,186 @@
+"""`DynamicLossScale`: a loss scale that grows while gradients are finite and backs off when not."""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale import _validation
+from jax_lossscale._base import LossScale, check_state
+from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, finite_flag
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of a `DynamicLossScale`: three scalar arrays."""
+
+    loss_scale: jax.Array  # float32
+    good_steps: jax.Array  # int32: consecutive finite steps since the counter last reset
+    overflows_until_backoff: jax.Array  # int32: non-finite steps, this one included, to backoff
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale(LossScale):
+    """A loss scale that rises while gradients stay finite and falls when they overflow.
+
+    With default arguments this is TensorFlow 2.0's `DynamicLossScale`, step for
+    step. Each call of `update` applies this rule (`scale`, `good_steps` and
+    `overflows_until_backoff` are the fields of the state)::
+
+        if every gradient is finite:
+            good_steps += 1
+            if consecutive_hysteresis:
+                overflows_until_backoff = hysteresis
+            if good_steps >= increment_period:
+                if scale * multiplier is finite and <= max_loss_scale:
+                    scale = scale * multiplier
+                good_steps = 0
+                overflows_until_backoff = hysteresis
+        else:
+            good_steps = 0
+            if overflows_until_backoff > 1:
+                overflows_until_backoff -= 1
+            else:
+                reduced = scale * backoff_factor if backoff_factor else scale / multiplier
+                scale = max(reduced, min_loss_scale)
+        should_apply = every gradient is finite
+
+    Args:
+      initial_loss_scale: the scale to start from. Start high: a scale that is
+        too high comes down in a few steps, one that is too low takes
+        `increment_period` steps per doubling to rise.
+      increment_period: the number of consecutive finite steps after which the
+        scale grows.
+      multiplier: the growth factor, > 1; also the backoff divisor unless
+        `backoff_factor` is given.
+      backoff_factor: if given, in (0, 1): the scale is multiplied by it on backoff.
+      min_loss_scale: the floor of the scale, > 0 (values below 1 are allowed).
+      max_loss_scale: the ceiling of the scale; growth past it is refused.
+        Defaults to the float32 maximum.
+      hysteresis: the number of non-finite steps, counted since the last
+        `increment_period` finite steps completed, from which on the scale backs
+        off. 1 backs off on every non-finite step.
+      consecutive_hysteresis: if true, every finite step (not only a completed
+        period) restores the full `hysteresis` tolerance.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> ls = jls.DynamicLossScale(initial_loss_scale=2.0**15, increment_period=2)
+      >>> state = ls.init()
+      >>> grads = {"w": jnp.array([1.0, jnp.inf])}
+      >>> state, should_apply = ls.update(state, grads)
+      >>> should_apply, ls(state)
+      (Array(False, dtype=bool), Array(16384., dtype=float32))
+    """
+
+    initial_loss_scale: float = 2.0**15
+    increment_period: int = 2000
+    multiplier: float = 2.0
+    _: dataclasses.KW_ONLY
+    backoff_factor: float | None = None
+    min_loss_scale: float = 1.0
+    max_loss_scale: float | None = None
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+
+    def __post_init__(self):
+        received = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+        def normalize(name, check, optional=False):
+            value = getattr(self, name)
+            if not (optional and value is None):
+                object.__setattr__(self, name, check("DynamicLossScale", name, value))
+
+        normalize("initial_loss_scale", _validation.positive_real)
+        normalize("increment_period", _validation.integer)
+        normalize("multiplier", _validation.real)
+        normalize("backoff_factor", _validation.real, optional=True)
+        normalize("min_loss_scale", _validation.positive_real)
+        normalize("max_loss_scale", _validation.positive_real, optional=True)
+        normalize("hysteresis", _validation.integer)
+        normalize("consecutive_hysteresis", _validation.boolean)
+
+        def fail(name, requirement):
+            _validation.fail("DynamicLossScale", name, received[name], requirement)
+
+        if self.multiplier <= 1:
+            fail("multiplier", "> 1")
+        if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
+            fail("backoff_factor", "None or in the open interval (0, 1)")
+        if self.initial_loss_scale < self.min_loss_scale:
+            fail("initial_loss_scale", f">= min_loss_scale ({self.min_loss_scale!r})")
+        if self.max_loss_scale is not None and self.max_loss_scale < self.initial_loss_scale:
+            fail("max_loss_scale", f"None or >= initial_loss_scale ({self.initial_loss_scale!r})")
+
+    def init(self) -> DynamicLossScaleState:
+        return DynamicLossScaleState(
+            loss_scale=jnp.asarray(self.initial_loss_scale, jnp.float32),
+            good_steps=jnp.asarray(0, jnp.int32),
+            overflows_until_backoff=jnp.asarray(self.hysteresis, jnp.int32),
+        )
+
+    def __call__(self, state: DynamicLossScaleState) -> jax.Array:
+        check_state(self, state, DynamicLossScaleState)
+        return state.loss_scale
+
+    def update(
+        self, state: DynamicLossScaleState, grads: PyTree, axis_name: AxisName | None = None
+    ) -> tuple[DynamicLossScaleState, jax.Array]:
+        check_state(self, state, DynamicLossScaleState)
+        check_array_leaves(grads, arg_name="grads", caller="DynamicLossScale.update")
+        return _update(self, state, grads, axis_name)
+
+    def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
+        """The update rule: the state after a step whose finiteness is `finite`."""
+        scale, good_steps, overflows_until_backoff = state
+        full_tolerance = np.int32(self.hysteresis)
+
+        good_steps_after_finite = good_steps + 1
+        period_done = good_steps_after_finite >= np.int32(self.increment_period)
+        grown = scale * np.float32(self.multiplier)
+        can_grow = jnp.isfinite(grown) & (grown <= np.float32(self._ceiling))
+        scale_after_finite = jnp.where(period_done & can_grow, grown, scale)
+        refill = period_done | self.consecutive_hysteresis
+        tolerance_after_finite = jnp.where(refill, full_tolerance, overflows_until_backoff)
+        good_steps_after_finite = jnp.where(period_done, np.int32(0), good_steps_after_finite)
+
+        backs_off = overflows_until_backoff <= 1
+        if self.backoff_factor is None:
+            reduced = scale / np.float32(self.multiplier)
+        else:
+            reduced = scale * np.float32(self.backoff_factor)
+        reduced = jnp.maximum(reduced, np.float32(self.min_loss_scale))
+        scale_after_overflow = jnp.where(backs_off, reduced, scale)
+        tolerance_after_overflow = jnp.maximum(overflows_until_backoff - 1, np.int32(1))
+
+        return DynamicLossScaleState(
+            loss_scale=jnp.where(finite, scale_after_finite, scale_after_overflow),
+            good_steps=jnp.where(finite, good_steps_after_finite, np.int32(0)),
+            overflows_until_backoff=jnp.where(
+                finite, tolerance_after_finite, tolerance_after_overflow
+            ),
+        )
+
+    @property
+    def _ceiling(self) -> float:
+        return _validation.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
+
+    def get_config(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _update(
+    loss_scale: DynamicLossScale,
+    state: DynamicLossScaleState,
+    grads: PyTree,
+    axis_name: AxisName | None,
+) -> tuple[DynamicLossScaleState, jax.Array]:
+    finite = finite_flag(grads, axis_name)
+    return loss_scale._next_state(state, finite), finite
+
+
+jax.tree_util.register_static(DynamicLossScale)

@@ -1,0 +1,69 @@
+"""`FixedLossScale`: a loss scale that never changes."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale import _validation
+from jax_lossscale._base import LossScale, check_state
+from jax_lossscale._tree import AxisName, PyTree, check_array_leaves
+
+
+class FixedLossScaleState(NamedTuple):
+    """State of a `FixedLossScale`."""
+
+    loss_scale: jax.Array  # float32 scalar
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedLossScale(LossScale):
+    """A loss scale that stays at `loss_scale_value` for ever.
+
+    `update` never skips a step: a fixed scale cannot react to an overflow, so
+    non-finite gradients are passed on (as TensorFlow's `FixedLossScale` does).
+
+    Args:
+      loss_scale_value: the scale, a real number >= 1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> ls = jls.FixedLossScale(2.0**10)
+      >>> state = ls.init()
+      >>> ls(state)
+      Array(1024., dtype=float32)
+      >>> state, should_apply = ls.update(state, {"w": jnp.array([jnp.nan])})
+      >>> should_apply
+      Array(True, dtype=bool)
+    """
+
+    loss_scale_value: float
+
+    def __post_init__(self):
+        value = _validation.real("FixedLossScale", "loss_scale_value", self.loss_scale_value)
+        if value < 1:
+            _validation.fail("FixedLossScale", "loss_scale_value", self.loss_scale_value, ">= 1")
+        object.__setattr__(self, "loss_scale_value", value)
+
+    def init(self) -> FixedLossScaleState:
+        return FixedLossScaleState(loss_scale=jnp.asarray(self.loss_scale_value, jnp.float32))
+
+    def __call__(self, state: FixedLossScaleState) -> jax.Array:
+        check_state(self, state, FixedLossScaleState)
+        return state.loss_scale
+
+    def update(
+        self, state: FixedLossScaleState, grads: PyTree, axis_name: AxisName | None = None
+    ) -> tuple[FixedLossScaleState, jax.Array]:
+        """Returns `state` unchanged and `should_apply` true, whatever the gradients hold."""
+        check_state(self, state, FixedLossScaleState)
+        check_array_leaves(grads, arg_name="grads", caller="FixedLossScale.update")
+        return state, jnp.array(True)
+
+    def get_config(self) -> dict:
+        return {"loss_scale_value": self.loss_scale_value}
+
+
+jax.tree_util.register_static(FixedLossScale)

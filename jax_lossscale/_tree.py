@@ -1,0 +1,101 @@
+"""Pytree utilities: leaf checks, the finiteness test and per-leaf scaling."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+AxisName = Any  # a named axis of pmap / shard_map, or a tuple of them
+
+
+def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
+    """Raises `TypeError` when a leaf of `tree` is not an array of a numeric dtype.
+
+    `None` leaves are empty subtrees to JAX and never reach this check. Arrays of
+    `float0` (the tangent type of integer inputs) and of integer or boolean dtype
+    are allowed; callers ignore them.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"{caller}: {arg_name} leaf at {_path_name(path)} is a {type(leaf).__name__} "
+                f"({_short_repr(leaf)}); every leaf must be a JAX or NumPy array (or None)"
+            )
+        dtype = leaf.dtype
+        if dtype != jax.dtypes.float0 and not (
+            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            raise TypeError(
+                f"{caller}: {arg_name} leaf at {_path_name(path)} has dtype {dtype}; "
+                "expected a numeric, boolean or float0 array"
+            )
+
+
+def is_floating(leaf: Any) -> bool:
+    """Whether a leaf takes part in scaling and finiteness checks (real or complex floats)."""
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
+    """Whether every floating leaf of `tree` is free of NaN, +inf and -inf.
+
+    `None` leaves and integer, boolean and `float0` arrays are ignored, so an
+    empty tree is finite. With `axis_name` (inside `pmap` or `shard_map`) the
+    answer is combined across that axis: it is true only when it is true on
+    every device, and every device gets the same answer.
+
+    Args:
+      tree: a pytree of arrays, typically gradients.
+      axis_name: a mapped axis name (or tuple of names) to reduce over, or None.
+
+    Returns:
+      A boolean scalar array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> jls.all_finite({"w": jnp.ones(3), "b": None})
+      Array(True, dtype=bool)
+      >>> jls.all_finite({"w": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+    """
+    check_array_leaves(tree, arg_name="tree", caller="all_finite")
+    return finite_flag(tree, axis_name)
+
+
+def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
+    """`all_finite` without the leaf check, for callers that have made it already."""
+    flags = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if is_floating(leaf)]
+    finite = jnp.stack(flags).all() if flags else jnp.array(True)
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def map_floating(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
+    """Applies `fn` to the floating leaves of `tree`; other leaves pass through unchanged."""
+    return jax.tree.map(lambda leaf: fn(leaf) if is_floating(leaf) else leaf, tree)
+
+
+def multiply_keep_dtype(leaf: jax.Array, factor: jax.Array) -> jax.Array:
+    """`leaf * factor` computed in float32 or wider, returned in `leaf`'s dtype."""
+    wide = jnp.promote_types(leaf.dtype, jnp.float32)
+    return (leaf.astype(wide) * factor.astype(wide)).astype(leaf.dtype)
+
+
+def divide_keep_dtype(leaf: jax.Array, divisor: jax.Array) -> jax.Array:
+    """`leaf / divisor` computed in float32 or wider, returned in `leaf`'s dtype."""
+    wide = jnp.promote_types(leaf.dtype, jnp.float32)
+    return (leaf.astype(wide) / divisor.astype(wide)).astype(leaf.dtype)
+
+
+def _path_name(path: tuple) -> str:
+    return jax.tree_util.keystr(path) if path else "<root>"
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,55 @@
+"""Checks on hyperparameters, made once when a loss scale is constructed.
+
+Each check returns the value as a plain Python `float`, `int` or `bool`, so that
+loss-scale objects compare, hash and serialize the same however a number was
+written (`2**15`, `32768.0`, `np.float32(32768)`).
+"""
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def fail(owner: str, name: str, value: Any, requirement: str, error: type = ValueError):
+    """Raises `error` with a message that names the argument and the value received."""
+    raise error(f"{owner}({name}={value!r}): {name} must be {requirement}")
+
+
+def real(owner: str, name: str, value: Any) -> float:
+    """A finite real number that float32 can hold."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(owner, name, value, "a real number", TypeError)
+    number = float(value)
+    if not math.isfinite(number):
+        fail(owner, name, value, "finite")
+    if abs(number) > FLOAT32_MAX:
+        fail(owner, name, value, f"at most the float32 maximum {FLOAT32_MAX:.8g}")
+    return number
+
+
+def positive_real(owner: str, name: str, value: Any) -> float:
+    number = real(owner, name, value)
+    if number <= 0:
+        fail(owner, name, value, "> 0")
+    return number
+
+
+def integer(owner: str, name: str, value: Any) -> int:
+    """An integer in [1, 2**31 - 1], the range of the int32 counters in the state."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(owner, name, value, "an integer >= 1", TypeError)
+    number = int(value)
+    if not 1 <= number <= INT32_MAX:
+        fail(owner, name, value, f"an integer >= 1 and <= {INT32_MAX}")
+    return number
+
+
+def boolean(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        fail(owner, name, value, "a bool", TypeError)
+    return bool(value)
