@@ -2,6 +2,7 @@
 
 import abc
 import functools
+import inspect
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -74,6 +75,14 @@ class LossScale(abc.ABC):
         """Builds a loss scale from the dict returned by `get_config`."""
         if not isinstance(config, dict):
             raise TypeError(f"{cls.__name__}.from_config(config={config!r}): config must be a dict")
+        parameters = inspect.signature(cls).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            unknown = sorted(set(config) - set(parameters))
+            if unknown:
+                raise ValueError(
+                    f"{cls.__name__}.from_config(config={config!r}): unknown keys {unknown}; "
+                    f"expected some of {list(parameters)}"
+                )
         return cls(**config)
 
     def scale(self, state: PyTree, tree: PyTree) -> PyTree:

@@ -23,10 +23,10 @@ def register(cls: _LossScaleType) -> _LossScaleType:
       >>> import jax_lossscale as jls
       >>> @jls.register
       ... @dataclasses.dataclass(frozen=True)
-      ... class HalvingLossScale(jls.FixedLossScale):
+      ... class MyLossScale(jls.FixedLossScale):
       ...     pass
-      >>> jls.deserialize(jls.serialize(HalvingLossScale(8.0)))
-      HalvingLossScale(loss_scale_value=8.0)
+      >>> jls.deserialize(jls.serialize(MyLossScale(8.0)))
+      MyLossScale(loss_scale_value=8.0)
     """
     if not (isinstance(cls, type) and issubclass(cls, LossScale)):
         raise TypeError(f"register(cls={cls!r}): cls must be a subclass of LossScale")
