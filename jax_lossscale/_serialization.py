@@ -1,5 +1,6 @@
 """Loss scales to and from JSON-able dicts: `serialize`, `deserialize`, `register`, `get`."""
 
+import inspect
 import numbers
 from typing import Any, TypeVar
 
@@ -30,6 +31,11 @@ def register(cls: _LossScaleType) -> _LossScaleType:
     """
     if not (isinstance(cls, type) and issubclass(cls, LossScale)):
         raise TypeError(f"register(cls={cls!r}): cls must be a subclass of LossScale")
+    if inspect.isabstract(cls):
+        raise TypeError(
+            f"register(cls={cls!r}): cls must be concrete; it leaves abstract "
+            f"{sorted(cls.__abstractmethods__)}"
+        )
     known = _REGISTRY.get(cls.__name__)
     if known is not None and _qualified_name(known) != _qualified_name(cls):
         raise ValueError(

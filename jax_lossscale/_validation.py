@@ -28,7 +28,7 @@ def real(owner: str, name: str, value: Any) -> float:
     if not math.isfinite(number):
         fail(owner, name, value, "finite")
     if abs(number) > FLOAT32_MAX:
-        fail(owner, name, value, f"at most the float32 maximum {FLOAT32_MAX:.8g}")
+        fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
     return number
 
 
