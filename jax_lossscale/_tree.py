@@ -21,7 +21,7 @@ def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
             raise TypeError(
-                f"{caller}: {arg_name} leaf at {_path_name(path)} is a {type(leaf).__name__} "
+                f"{caller}: {arg_name} leaf at {_path_name(path)} has type {type(leaf).__name__} "
                 f"({_short_repr(leaf)}); every leaf must be a JAX or NumPy array (or None)"
             )
         dtype = leaf.dtype

@@ -601,7 +601,7 @@ def test_non_array_leaves_are_rejected_with_path_and_type(
         _run(mode, call, tree)
     message = str(excinfo.value)
     assert message.startswith(
-        f"{caller.format(cls=cls_name)}: {arg_name} leaf at {path} is a {type_name} ("
+        f"{caller.format(cls=cls_name)}: {arg_name} leaf at {path} has type {type_name} ("
     ), message
     assert message.endswith("every leaf must be a JAX or NumPy array (or None)"), message
 
@@ -625,7 +625,7 @@ def test_long_leaf_repr_is_shortened():
     with pytest.raises(TypeError) as excinfo:
         jls.all_finite({"a": "x" * 200})
     message = str(excinfo.value)
-    assert message.startswith("all_finite: tree leaf at ['a'] is a str ('xxxx")
+    assert message.startswith("all_finite: tree leaf at ['a'] has type str ('xxxx")
     assert "x" * 100 not in message
     assert "...)" in message
 

@@ -1,0 +1,262 @@
+"""Dtypes (DESIGN.md 3.4): a float32 scale, float32 arithmetic, every leaf keeps its dtype."""
+
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+
+F16_MAX = float(np.finfo(np.float16).max)  # 65504
+VALUES = [1.0, -3.5, 0.1, 1e-3, 6e-5, 255.0, 60000.0, 0.0, -0.0]
+HALF_AND_SINGLE = [jnp.float16, jnp.bfloat16, jnp.float32]
+
+
+@pytest.fixture(params=["jit", "nojit"])
+def run(request) -> Callable:
+    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
+
+    def call(fn, *args):
+        if request.param == "jit":
+            return jax.jit(fn)(*args)
+        with jax.disable_jit():
+            return fn(*args)
+
+    return call
+
+
+# Powers of two: XLA turns `x / scale` into `x * (1 / scale)`, exact only for these.
+LOSS_SCALES = {
+    "fixed-1": jls.FixedLossScale(1.0),
+    "dynamic-0.5": jls.DynamicLossScale(0.5, min_loss_scale=0.5),
+    "dynamic-2**15": jls.DynamicLossScale(2.0**15),
+    "dynamic-2**20": jls.DynamicLossScale(2.0**20),
+}
+
+
+def scale_of(ls: jls.LossScale) -> float:
+    return ls.loss_scale_value if isinstance(ls, jls.FixedLossScale) else ls.initial_loss_scale
+
+
+def unscale(ls: jls.LossScale, tree):
+    return ls.unscale(ls.init(), tree)
+
+
+def scale(ls: jls.LossScale, tree):
+    return ls.scale(ls.init(), tree)
+
+
+def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
+    assert ls(state).dtype == jnp.float32
+    assert ls(state).shape == ()
+
+
+# --- unscale ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ls", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
+def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(run, ls, dtype):
+    x = np.array(VALUES, np.float32).astype(dtype)
+    with np.errstate(over="ignore"):  # 60000 / 0.5 is inf in float16, in both computations
+        expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(dtype)
+
+    out = run(unscale, ls, {"g": x, "s": x[3]})
+
+    chex.assert_trees_all_equal(out, {"g": expected, "s": expected[3]}, strict=True)
+    assert_scale_is_float32(ls, ls.init())
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
+def test_unscale_by_a_scale_that_is_not_a_power_of_two_keeps_dtype_and_is_close(run, dtype):
+    x = np.array(VALUES, np.float32).astype(dtype)
+    expected = (x.astype(np.float32) / np.float32(3.0)).astype(dtype)
+    out = run(unscale, jls.FixedLossScale(3.0), x)
+    assert out.dtype == dtype
+    chex.assert_trees_all_close(out, expected, rtol=float(jnp.finfo(dtype).eps), atol=0.0)
+
+
+def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale(run):
+    ls = jls.DynamicLossScale(2.0**15, increment_period=1)
+    # Each of these would be rounded, overflow or underflow on a trip through float32.
+    x = np.array([1.0 / 3.0, 1e300, -(2.0**-1000), 7.0], np.float64)
+    with jax.enable_x64(True):
+        state = ls.init()
+        assert_scale_is_float32(ls, state)
+        assert state.good_steps.dtype == jnp.int32
+
+        out = run(ls.unscale, state, {"f64": x, "f32": x[:1].astype(np.float32)})
+        chex.assert_trees_all_equal(
+            out,
+            {
+                "f64": np.array([1.0 / 3.0 / 2**15, 1e300 / 2**15, -(2.0**-1015), 7.0 / 2**15]),
+                "f32": np.array([1.0 / 3.0], np.float32) / np.float32(2**15),
+            },
+            strict=True,
+        )
+
+        state, should_apply = run(ls.update, state, out)
+        assert bool(should_apply)
+        assert_scale_is_float32(ls, state)
+        chex.assert_trees_all_equal_dtypes(state, ls.init())
+        assert float(ls(state)) == 2.0**16
+
+
+@pytest.mark.parametrize(
+    ("loss_scale", "expected"),
+    [
+        (2.0**15, 1.8310546875),
+        (2.0**16, 0.91552734375),  # 2**16 is inf in float16
+        (2.0**17, 0.457763671875),
+        (2.0**24, 1875 / 2**19),
+    ],
+    ids=["2**15", "2**16", "2**17", "2**24"],
+)
+def test_unscale_float16_near_its_maximum_is_exact(run, loss_scale, expected):
+    ls = jls.DynamicLossScale(loss_scale)
+    out = run(unscale, ls, {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
+    chex.assert_trees_all_equal(
+        out, {"g": np.array([expected, -expected], np.float16)}, strict=True
+    )
+    assert float(np.float16(expected)) == expected
+
+
+def test_unscale_float16_maximum_by_2_pow_16_is_exact(run):
+    out = run(unscale, jls.FixedLossScale(2.0**16), jnp.array(F16_MAX, jnp.float16))
+    chex.assert_trees_all_equal(out, np.float16(0.99951171875), strict=True)
+
+
+def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(run):
+    ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
+    state = ls.init()
+    grads = {"w": jnp.array([60000.0, -60000.0, 30000.0, 1.0], jnp.float16)}
+
+    unscaled = run(ls.unscale, state, grads)
+    chex.assert_trees_all_equal(
+        unscaled, {"w": np.array([np.inf, -np.inf, 60000.0, 2.0], np.float16)}, strict=True
+    )
+
+    new_state, should_apply = run(ls.update, state, unscaled)
+    assert should_apply.dtype == jnp.bool_
+    assert not bool(should_apply)
+    chex.assert_trees_all_equal(
+        new_state,
+        jls.DynamicLossScaleState(
+            loss_scale=np.float32(0.25), good_steps=np.int32(0), overflows_until_backoff=np.int32(1)
+        ),
+        strict=True,
+    )
+
+
+# --- scale ------------------------------------------------------------------------------------
+
+
+def test_scale_float32_loss_is_the_exact_float32_product(run):
+    loss = np.float32(0.1)
+    for ls in [*LOSS_SCALES.values(), jls.FixedLossScale(3.0)]:
+        out = run(scale, ls, jnp.asarray(loss))
+        chex.assert_trees_all_equal(out, loss * np.float32(scale_of(ls)), strict=True)
+
+
+@pytest.mark.parametrize(
+    ("loss_scale", "loss", "expected"),
+    [
+        (2.0**15, 1.0, 32768.0),
+        (2.0**15, -1.0, -32768.0),
+        (2.0**20, 2.0**-10, 1024.0),  # 2**20 is inf in float16
+        (2.0**15, 2.0**-24, 2.0**-9),  # the smallest float16 subnormal
+    ],
+    ids=["one", "minus-one", "scale-beyond-f16", "subnormal"],
+)
+def test_scale_float16_computes_in_float32(run, loss_scale, loss, expected):
+    out = run(scale, jls.DynamicLossScale(loss_scale), jnp.float16(loss))
+    chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [(3.0, np.inf), (-3.0, -np.inf), (2.0, np.inf), (1.99, 65216.0)],
+    ids=["3", "-3", "2", "1.99"],
+)
+def test_scale_float16_loss_overflow_is_visible_as_inf(run, loss, expected):
+    # 3 * 2**15 = 98304 and 2 * 2**15 = 65536 are past the float16 maximum 65504.
+    out = run(scale, jls.DynamicLossScale(2.0**15), jnp.float16(loss))
+    chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
+
+
+def test_scale_bfloat16_loss_does_not_overflow_where_float16_would(run):
+    out = run(scale, jls.DynamicLossScale(2.0**15), jnp.bfloat16(3.0))
+    chex.assert_trees_all_equal(out, jnp.bfloat16(98304.0), strict=True)
+
+
+def test_scale_leaves_integer_and_boolean_leaves_unchanged(run):
+    tree = {
+        "loss": jnp.float32(0.75),
+        "count": jnp.array([1, 2, np.iinfo(np.int32).max], jnp.int32),
+        "u8": jnp.array([255], jnp.uint8),
+        "mask": jnp.array([True, False]),
+    }
+    out = run(scale, jls.FixedLossScale(8.0), tree)
+    chex.assert_trees_all_equal(out, {**tree, "loss": jnp.float32(6.0)}, strict=True)
+
+
+def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale(run):
+    ls = jls.DynamicLossScale(2.0**15)
+    z = jnp.array([1 + 2j, -0.5j], jnp.complex64)
+
+    scaled = run(scale, ls, z)
+    chex.assert_trees_all_equal(
+        scaled, np.array([32768 + 65536j, -16384j], np.complex64), strict=True
+    )
+    chex.assert_trees_all_equal(run(unscale, ls, scaled), np.asarray(z), strict=True)
+
+
+# --- mixed trees ------------------------------------------------------------------------------
+
+
+def mixed_tree() -> dict:
+    return {
+        "f16": jnp.array([1.5, -60000.0], jnp.float16),
+        "bf16": jnp.array([[0.25, 3.0e37]], jnp.bfloat16),
+        "f32": jnp.float32(1e-30),
+        "i32": jnp.array([7, -7], jnp.int32),
+        "none": None,
+        "nested": [jnp.array([2.0], jnp.float16), (jnp.array(4.0, jnp.bfloat16), None)],
+    }
+
+
+@pytest.mark.parametrize("method", ["scale", "unscale"])
+def test_mixed_tree_keeps_every_leaf_dtype_and_structure(run, method):
+    ls = jls.FixedLossScale(4.0)
+    tree = mixed_tree()
+    out = run(scale if method == "scale" else unscale, ls, tree)
+
+    chex.assert_trees_all_equal_structs(out, tree)
+    chex.assert_trees_all_equal_dtypes(out, tree)
+    chex.assert_trees_all_equal_shapes(out, tree)
+    chex.assert_trees_all_equal(out["i32"], tree["i32"], strict=True)
+
+    wide = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+    op = np.multiply if method == "scale" else np.divide
+    with np.errstate(over="ignore"):  # -60000 * 4 is -inf in float16, in both computations
+        expected = jax.tree.map(
+            lambda w, x: op(w, np.float32(4.0)).astype(x.dtype) if x.dtype != np.int32 else x,
+            wide,
+            tree,
+        )
+    chex.assert_trees_all_equal(out, expected, strict=True)
+
+
+def test_update_with_half_precision_gradients_keeps_the_state_dtypes(run):
+    ls = jls.DynamicLossScale(2.0**15, increment_period=1)
+    state = ls.init()
+    unscaled = run(ls.unscale, state, mixed_tree())
+
+    state, should_apply = run(ls.update, state, unscaled)
+    chex.assert_trees_all_equal_dtypes(state, ls.init())
+    assert_scale_is_float32(ls, state)
+    assert bool(should_apply)
+    assert float(ls(state)) == 2.0**16

@@ -1,0 +1,324 @@
+"""`all_finite` (DESIGN.md 3.1): edge cases, leaf checks and agreement across devices."""
+
+import re
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_lossscale as jls
+
+N_DEVICES = 8
+FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
+NON_FINITE = [np.nan, np.inf, -np.inf]
+
+
+@pytest.fixture(params=["jit", "nojit"])
+def run(request) -> Callable:
+    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
+
+    def call(fn, *args):
+        if request.param == "jit":
+            return jax.jit(fn)(*args)
+        with jax.disable_jit():
+            return fn(*args)
+
+    return call
+
+
+def finite(run: Callable, tree) -> bool:
+    result = run(jls.all_finite, tree)
+    assert result.dtype == jnp.bool_
+    assert result.shape == ()
+    return bool(result)
+
+
+def float0_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    return np.zeros(shape, dtype=jax.dtypes.float0)
+
+
+# --- edge cases on one device ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [{}, [], (), None, {"a": None, "b": [None, (None,)]}, [{}, ()]],
+    ids=["dict", "list", "tuple", "none", "nested-nones", "nested-empties"],
+)
+def test_empty_tree_and_tree_of_nones_are_finite(run, tree):
+    assert finite(run, tree) is True
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_non_finite_value_in_any_floating_dtype_is_detected(run, dtype, value):
+    good = jnp.array([1.0, -2.0, 3.0, 0.0], dtype)
+    bad = good.at[2].set(value)
+    assert finite(run, {"ok": jnp.ones(3), "g": good}) is True
+    assert finite(run, {"ok": jnp.ones(3), "g": bad}) is False
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
+def test_non_finite_imaginary_part_is_detected(run, value):
+    leaf = jnp.array([1 + 1j, complex(2.0, value)], jnp.complex64)
+    assert finite(run, [leaf]) is False
+
+
+def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes(run):
+    ints = {
+        "i32": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
+        "u8": jnp.array([255, 0], jnp.uint8),
+        "bool": jnp.array([True, False]),
+        "np_i32": np.full((3,), np.iinfo(np.int32).max, np.int32),
+    }
+    assert finite(run, ints) is True
+    assert finite(run, {**ints, "f": jnp.ones(2)}) is True
+    assert finite(run, {**ints, "f": jnp.array([1.0, np.nan])}) is False
+
+
+def test_float0_leaves_are_ignored(run):
+    _, int_grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)(1.0, 3)
+    assert int_grad.dtype == jax.dtypes.float0
+    tree = {"from_grad": int_grad, "zeros": float0_zeros((2, 3))}
+    assert finite(run, tree) is True
+    assert finite(run, {**tree, "f": jnp.full((2,), 0.5)}) is True
+    assert finite(run, {**tree, "f": jnp.array([0.5, -np.inf])}) is False
+
+
+@pytest.mark.parametrize(
+    ("leaf", "expected"),
+    [
+        (jnp.float32(1.0), True),
+        (jnp.float32(np.inf), False),
+        (jnp.array(np.nan, jnp.float16), False),
+        (np.float32(-np.inf), False),
+        (np.float16(2.0), True),
+        (jnp.int32(7), True),
+    ],
+    ids=["f32", "f32-inf", "f16-nan", "np-f32-neg-inf", "np-f16", "i32"],
+)
+def test_scalar_leaf(run, leaf, expected):
+    assert finite(run, leaf) is expected
+    assert finite(run, {"s": leaf}) is expected
+
+
+def test_one_bad_entry_deep_inside_a_nested_tree(run):
+    def tree(deep):
+        return {
+            "a": [jnp.ones(2), {"b": (jnp.zeros((2, 2)), None, {"c": [jnp.ones(1), deep]})}],
+            "z": jnp.arange(3),
+        }
+
+    ok = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.bfloat16)
+    assert finite(run, tree(ok)) is True
+    assert finite(run, tree(ok.at[4].set(np.nan))) is False
+
+
+def test_numpy_arrays_as_leaves(run):
+    good = {"f32": np.ones((2, 2), np.float32), "f16": np.full((3,), 0.25, np.float16)}
+    assert finite(run, good) is True
+    assert finite(run, {**good, "bad": np.array([0.0, np.inf], np.float32)}) is False
+    assert finite(run, {**good, "bad": np.array([np.nan], np.float16)}) is False
+
+
+def test_large_array_with_one_nan_at_the_end(run):
+    leaf = np.ones((1 << 20,), np.float32)
+    assert finite(run, {"w": leaf}) is True
+    leaf[-1] = np.nan
+    assert finite(run, {"w": leaf}) is False
+
+
+# --- leaf checks ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (
+            {"a": {"b": "oops"}},
+            "all_finite: tree leaf at ['a']['b'] has type str ('oops'); "
+            "every leaf must be a JAX or NumPy array (or None)",
+        ),
+        (
+            [jnp.ones(2), {"w": 1.5}],
+            "all_finite: tree leaf at [1]['w'] has type float (1.5); "
+            "every leaf must be a JAX or NumPy array (or None)",
+        ),
+        (
+            {"s": np.array(["x"])},
+            "all_finite: tree leaf at ['s'] has dtype <U1; "
+            "expected a numeric, boolean or float0 array",
+        ),
+    ],
+    ids=["str", "python-float", "str-array"],
+)
+def test_non_array_leaf_raises_type_error_naming_its_path(tree, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jls.all_finite(tree)
+    # Inside jit the check fires at trace time, on a closed-over tree.
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jax.jit(lambda: jls.all_finite(tree))()
+
+
+# --- several devices --------------------------------------------------------------------------
+
+BAD_DEVICE_CASES = [(None, np.inf), (0, np.nan), (5, -np.inf), (7, np.inf)]
+
+
+def per_device_grads(bad_device: int | None, value: float = np.inf) -> dict:
+    """Gradients with a leading device axis; `bad_device` (if any) holds one `value`."""
+    w = np.full((N_DEVICES, 4, 3), 0.5, np.float32)
+    b = np.ones((N_DEVICES, 3), np.float16)
+    if bad_device is not None:
+        w[bad_device, 2, 1] = value
+    return {"w": w, "b": b, "step": np.arange(N_DEVICES, dtype=np.int32)}
+
+
+def replicated(tree):
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (N_DEVICES, *x.shape)), tree)
+
+
+def device_rows(tree, i: int):
+    return jax.tree.map(lambda x: np.asarray(x)[i], tree)
+
+
+@pytest.mark.parametrize(("bad_device", "value"), BAD_DEVICE_CASES)
+def test_pmap_all_finite_with_axis_name_agrees_on_every_device(bad_device, value):
+    fn = jax.pmap(lambda g: jls.all_finite(g, axis_name="i"), axis_name="i")
+    result = fn(per_device_grads(bad_device, value))
+    assert result.dtype == jnp.bool_
+    np.testing.assert_array_equal(result, np.full((N_DEVICES,), bad_device is None))
+
+
+def test_pmap_all_finite_without_axis_name_answers_per_device():
+    result = jax.pmap(jls.all_finite)(per_device_grads(bad_device=5))
+    np.testing.assert_array_equal(result, np.arange(N_DEVICES) != 5)
+
+
+def dynamic_loss_scale() -> jls.DynamicLossScale:
+    return jls.DynamicLossScale(initial_loss_scale=2.0**15, increment_period=1)
+
+
+def single_device_update(ls: jls.DynamicLossScale, grads: dict):
+    """`update` on one device over all devices' gradients at once: the answer to agree with."""
+    return ls.update(ls.init(), jax.tree.map(jnp.asarray, grads))
+
+
+@pytest.mark.parametrize("bad_device", [None, 3])
+def test_pmap_update_with_axis_name_gives_every_device_the_same_state(bad_device):
+    ls = dynamic_loss_scale()
+    grads = per_device_grads(bad_device)
+    fn = jax.pmap(lambda s, g: ls.update(s, g, axis_name="i"), axis_name="i")
+    state, should_apply = fn(replicated(ls.init()), grads)
+
+    expected_scale = 2.0**16 if bad_device is None else 2.0**14
+    expected_state = jls.DynamicLossScaleState(
+        loss_scale=np.float32(expected_scale),
+        good_steps=np.int32(0),
+        overflows_until_backoff=np.int32(1),
+    )
+    chex.assert_trees_all_equal(
+        single_device_update(ls, grads), (expected_state, bad_device is None)
+    )
+    np.testing.assert_array_equal(should_apply, np.full((N_DEVICES,), bad_device is None))
+    for i in range(N_DEVICES):
+        chex.assert_trees_all_equal(device_rows(state, i), expected_state, strict=True)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((N_DEVICES,), ("d",))
+
+
+def sharded_grads(mesh, bad_device: int | None, value: float = np.inf) -> dict:
+    """`per_device_grads` laid out over `mesh`, device `k` holding row `k`."""
+    return jax.device_put(per_device_grads(bad_device, value), NamedSharding(mesh, P("d")))
+
+
+@pytest.mark.parametrize(("bad_device", "value"), BAD_DEVICE_CASES)
+def test_shard_map_all_finite_with_axis_name(run, mesh, bad_device, value):
+    grads = sharded_grads(mesh, bad_device, value)
+    replicated_out = jax.shard_map(
+        lambda g: jls.all_finite(g, axis_name="d"), mesh=mesh, in_specs=P("d"), out_specs=P()
+    )
+    per_device_out = jax.shard_map(
+        lambda g: jls.all_finite(g, axis_name="d")[None],
+        mesh=mesh,
+        in_specs=P("d"),
+        out_specs=P("d"),
+    )
+    result = run(replicated_out, grads)
+    assert result.dtype == jnp.bool_
+    assert result.shape == ()
+    assert bool(result) is (bad_device is None)
+    np.testing.assert_array_equal(
+        run(per_device_out, grads), np.full((N_DEVICES,), bad_device is None)
+    )
+
+
+@pytest.mark.parametrize("bad_device", [None, 6])
+def test_shard_map_update_with_axis_name_gives_every_device_the_same_state(run, mesh, bad_device):
+    ls = dynamic_loss_scale()
+    grads = sharded_grads(mesh, bad_device)
+    expected = single_device_update(ls, per_device_grads(bad_device))
+
+    replicated_out = jax.shard_map(
+        lambda s, g: ls.update(s, g, axis_name="d"),
+        mesh=mesh,
+        in_specs=(P(), P("d")),
+        out_specs=P(),
+    )
+    chex.assert_trees_all_equal(run(replicated_out, ls.init(), grads), expected)
+
+    per_device_out = jax.shard_map(
+        lambda s, g: jax.tree.map(lambda x: x[None], ls.update(s, g, axis_name="d")),
+        mesh=mesh,
+        in_specs=(P(), P("d")),
+        out_specs=P("d"),
+    )
+    # Eager shard_map runs op by op on 8 devices (seconds); this layout is checked under jit only.
+    stacked = jax.jit(per_device_out)(ls.init(), grads)
+    for i in range(N_DEVICES):
+        chex.assert_trees_all_equal(device_rows(stacked, i), expected)
+
+
+def spmd_grads(bad: tuple[str, tuple[int, ...]] | None) -> dict:
+    grads = {
+        "w": np.linspace(-1.0, 1.0, 64 * 16, dtype=np.float32).reshape(64, 16),
+        "v": np.full((8, 8), 0.125, np.float16),
+        "b": np.ones((16,), np.float32),
+        "n": np.arange(64, dtype=np.int32),
+    }
+    if bad is not None:
+        name, index = bad
+        grads[name][index] = np.inf
+    return grads
+
+
+SPMD_SPECS = {"w": P("d", None), "v": P(None, "d"), "b": P(), "n": P("d")}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [None, ("w", (63, 15)), ("w", (0, 0)), ("v", (4, 7)), ("b", (3,))],
+    ids=["finite", "w-last-shard", "w-first-shard", "v-column-shard", "replicated-b"],
+)
+def test_spmd_jit_update_without_axis_name_matches_one_device(run, mesh, bad):
+    ls = dynamic_loss_scale()
+    host = spmd_grads(bad)
+    sharded = {
+        name: jax.device_put(leaf, NamedSharding(mesh, SPMD_SPECS[name]))
+        for name, leaf in host.items()
+    }
+    assert len(sharded["w"].addressable_shards) == N_DEVICES
+
+    state, should_apply = run(ls.update, ls.init(), sharded)
+    chex.assert_trees_all_equal((state, should_apply), single_device_update(ls, host))
+    assert bool(should_apply) is (bad is None)
+    assert float(ls(state)) == (2.0**16 if bad is None else 2.0**14)
+    assert bool(run(jls.all_finite, sharded)) is (bad is None)
