@@ -56,7 +56,8 @@ class DynamicLossScale(LossScale):
       multiplier: the growth factor, > 1; also the backoff divisor unless
         `backoff_factor` is given.
       backoff_factor: if given, in (0, 1): the scale is multiplied by it on backoff.
-      min_loss_scale: the floor of the scale, > 0 (values below 1 are allowed).
+      min_loss_scale: the floor of the scale. Values below 1 are allowed, down to the
+        smallest normal float32 (XLA flushes subnormal numbers to zero on some backends).
       max_loss_scale: the ceiling of the scale; growth past it is refused.
         Defaults to the float32 maximum.
       hysteresis: the number of non-finite steps, counted since the last
@@ -149,7 +150,9 @@ class DynamicLossScale(LossScale):
 
         backs_off = overflows_until_backoff <= 1
         if self.backoff_factor is None:
-            reduced = scale / np.float32(self.multiplier)
+            # The barrier keeps XLA from turning the division into a multiplication by the
+            # rounded reciprocal, so jitted and eager updates agree bit for bit.
+            reduced = scale / jax.lax.optimization_barrier(np.float32(self.multiplier))
         else:
             reduced = scale * np.float32(self.backoff_factor)
         reduced = jnp.maximum(reduced, np.float32(self.min_loss_scale))

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -33,9 +34,12 @@ def real(owner: str, name: str, value: Any) -> float:
 
 
 def positive_real(owner: str, name: str, value: Any) -> float:
+    """A real number > 0 and not subnormal in float32: XLA on CPU flushes subnormals to zero."""
     number = real(owner, name, value)
     if number <= 0:
         fail(owner, name, value, "> 0")
+    if number < FLOAT32_SMALLEST_NORMAL:
+        fail(owner, name, value, f">= the smallest normal float32 ({FLOAT32_SMALLEST_NORMAL!r})")
     return number
 
 

@@ -1,0 +1,708 @@
+"""Update semantics of `DynamicLossScale` and `FixedLossScale` (DESIGN.md 3.1 to 3.3)."""
+
+import contextlib
+import copy
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+
+F32_MAX = float(np.finfo(np.float32).max)
+MODES = ["jit", "nojit"]
+NONFINITE = [jnp.inf, jnp.nan, -jnp.inf]
+
+
+def finite_grads():
+    return {"w": jnp.ones(3)}
+
+
+def nonfinite_grads(value=jnp.inf):
+    return {"w": jnp.array([1.0, value, 1.0])}
+
+
+def grads_for(flag: str, index: int):
+    # The kind of non-finite value cycles so that every trajectory sees inf, NaN and -inf.
+    if flag == "T":
+        return finite_grads()
+    assert flag == "F"
+    return nonfinite_grads(NONFINITE[index % 3])
+
+
+def mode_context(mode: str):
+    return jax.disable_jit() if mode == "nojit" else contextlib.nullcontext()
+
+
+def run(ls: jls.LossScale, steps: str, mode: str):
+    """Runs `ls.update` over `steps`; returns the state and should_apply after each step."""
+    update = jax.jit(ls.update) if mode == "jit" else ls.update
+    state = ls.init()
+    states, applies = [], []
+    with mode_context(mode):
+        for index, flag in enumerate(steps):
+            state, should_apply = update(state, grads_for(flag, index))
+            states.append(state)
+            applies.append(should_apply)
+    return states, applies
+
+
+def scales_of(states) -> list[float]:
+    return [float(np.asarray(state.loss_scale)) for state in states]
+
+
+def full_states_of(states) -> list[tuple[float, int, int]]:
+    return [
+        (
+            float(np.asarray(s.loss_scale)),
+            int(np.asarray(s.good_steps)),
+            int(np.asarray(s.overflows_until_backoff)),
+        )
+        for s in states
+    ]
+
+
+def check_trajectory(ls, steps, expected_scales, mode):
+    states, applies = run(ls, steps, mode)
+    assert scales_of(states) == [float(x) for x in expected_scales]
+    assert [bool(a) for a in applies] == [flag == "T" for flag in steps]
+    for should_apply in applies:
+        assert should_apply.dtype == jnp.bool_
+        assert should_apply.shape == ()
+
+
+def f32(x) -> np.float32:
+    return np.float32(x)
+
+
+# DESIGN.md 3.3, the table, row for row.
+_I = F32_MAX / 4
+DESIGN_TABLE = [
+    pytest.param((1, 2, 2), {}, "TTTTTT", [1, 2, 2, 4, 4, 8], id="grow"),
+    pytest.param((_I, 2, 2), {}, "TTTTTT", [_I, 2 * _I, 2 * _I, 4 * _I, 4 * _I, 4 * _I], id="max"),
+    pytest.param((1024, 2, 2), {}, "FFFFFF", [512, 256, 128, 64, 32, 16], id="backoff"),
+    pytest.param((16, 2, 2), {}, "FFFFFF", [8, 4, 2, 1, 1, 1], id="floor"),
+    pytest.param(
+        (16, 2, 2), {"hysteresis": 2}, "FFFTTTFF", [16, 8, 4, 4, 8, 8, 8, 4], id="hysteresis"
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("args", "kwargs", "steps", "expected"), DESIGN_TABLE)
+def test_design_table(args, kwargs, steps, expected, mode):
+    check_trajectory(jls.DynamicLossScale(*args, **kwargs), steps, expected, mode)
+
+
+def test_design_table_max_row_ends_at_float32_max():
+    assert 4 * _I == F32_MAX
+
+
+_THIRD = f32(10) / f32(3)
+_NINTH = _THIRD / f32(3)
+
+TRAJECTORIES = [
+    # Growth on exactly the increment_period-th finite step, never one late.
+    pytest.param((1, 3, 2), {}, "TTTTTTT", [1, 1, 2, 2, 2, 4, 4], id="period3"),
+    pytest.param((1, 1, 2), {}, "TTTT", [2, 4, 8, 16], id="period1"),
+    pytest.param((1, 2000, 2), {}, "T" * 5, [1] * 5, id="default-period-no-growth"),
+    # A non-finite step resets the count of finite steps.
+    pytest.param((8, 3, 2), {}, "TTFTTT", [8, 8, 4, 4, 4, 8], id="reset"),
+    pytest.param((8, 3, 2), {}, "TTFTTFTTT", [8, 8, 4, 4, 4, 2, 2, 2, 4], id="reset-twice"),
+    pytest.param((8, 2, 2), {}, "TFTFTF", [8, 4, 4, 2, 2, 1], id="alternating"),
+    # backoff_factor replaces the division by multiplier; growth still uses multiplier.
+    pytest.param(
+        (1024, 2, 2), {"backoff_factor": 0.25}, "FFFTT", [256, 64, 16, 16, 32], id="backoff0.25"
+    ),
+    pytest.param(
+        (81, 1, 3), {"backoff_factor": 0.5}, "TFTF", [243, 121.5, 364.5, 182.25], id="backoff0.5x3"
+    ),
+    pytest.param(
+        (1, 1, 2),
+        {"backoff_factor": 0.1, "min_loss_scale": 0.25},
+        "F",
+        [0.25],
+        id="backoff-floored",
+    ),
+    pytest.param(
+        (1, 1, 2),
+        {"backoff_factor": 0.75, "min_loss_scale": 0.25},
+        "FFT",
+        [0.75, f32(0.75) * f32(0.75), f32(0.75) * f32(0.75) * f32(2)],
+        id="backoff0.75",
+    ),
+    # multiplier 3: float32 arithmetic.
+    pytest.param((1, 1, 3), {}, "TTTF", [3, 9, 27, 9], id="mult3-exact"),
+    pytest.param(
+        (10, 1, 3),
+        {"min_loss_scale": 0.5},
+        "FFTT",
+        [_THIRD, _NINTH, _NINTH * f32(3), _NINTH * f32(3) * f32(3)],
+        id="mult3-float32",
+    ),
+    pytest.param((2, 1, 3), {}, "FF", [1, 1], id="mult3-floor"),
+    pytest.param(
+        (1, 1, 1.5),
+        {"min_loss_scale": 0.1},
+        "TTF",
+        [1.5, 2.25, 1.5],
+        id="mult1.5",
+    ),
+    # min_loss_scale below 1, and a floor that is not a power of two.
+    pytest.param(
+        (1, 2, 2), {"min_loss_scale": 0.25}, "FFFF", [0.5, 0.25, 0.25, 0.25], id="min0.25"
+    ),
+    pytest.param((10, 1, 2), {"min_loss_scale": 3}, "FFT", [5, 3, 6], id="min3"),
+    pytest.param((1, 1, 2), {"min_loss_scale": 1}, "FFFT", [1, 1, 1, 2], id="at-floor"),
+    # max_loss_scale: growth refused past it, allowed onto it exactly.
+    pytest.param((1, 1, 2), {"max_loss_scale": 4}, "TTTT", [2, 4, 4, 4], id="max-equal"),
+    pytest.param((1, 1, 2), {"max_loss_scale": 5}, "TTTT", [2, 4, 4, 4], id="max-between"),
+    pytest.param((1, 1, 2), {"max_loss_scale": 7.999}, "TTT", [2, 4, 4], id="max-just-below"),
+    pytest.param((1, 1, 3), {"max_loss_scale": 9}, "TTT", [3, 9, 9], id="max-mult3"),
+    pytest.param((1, 2, 2), {"max_loss_scale": 2}, "TTTTTT", [1, 2, 2, 2, 2, 2], id="max-period2"),
+    pytest.param((1, 1, 2), {"max_loss_scale": 1}, "TT", [1, 1], id="max-equals-initial"),
+    pytest.param((1, 1, 2), {"max_loss_scale": 4}, "TTTFT", [2, 4, 4, 2, 4], id="max-then-back"),
+    # Growth refused when the product is not finite.
+    pytest.param(
+        (F32_MAX / 2, 1, 2), {}, "TTTF", [F32_MAX, F32_MAX, F32_MAX, F32_MAX / 2], id="to-max"
+    ),
+    pytest.param((F32_MAX / 2, 1, 3), {}, "TT", [F32_MAX / 2, F32_MAX / 2], id="mult3-inf"),
+    pytest.param((F32_MAX, 1, 2), {"max_loss_scale": F32_MAX}, "TT", [F32_MAX] * 2, id="at-max"),
+    pytest.param((2.0**127, 1, 2), {}, "TTF", [2.0**127, 2.0**127, 2.0**126], id="pow2-127"),
+    # Hysteresis.
+    pytest.param(
+        (16, 3, 2), {"hysteresis": 2}, "FTFTF", [16, 16, 8, 8, 4], id="hysteresis-not-consecutive"
+    ),
+    pytest.param(
+        (16, 3, 2),
+        {"hysteresis": 2, "consecutive_hysteresis": True},
+        "FTFTF",
+        [16, 16, 16, 16, 16],
+        id="hysteresis-consecutive",
+    ),
+    pytest.param(
+        (64, 2, 2),
+        {"hysteresis": 3},
+        "FFFFTTFFF",
+        [64, 64, 32, 16, 16, 32, 32, 32, 16],
+        id="hysteresis3",
+    ),
+    pytest.param(
+        (64, 2, 2),
+        {"hysteresis": 3, "backoff_factor": 0.25},
+        "FFFF",
+        [64, 64, 16, 4],
+        id="hysteresis3-backoff",
+    ),
+    pytest.param(
+        (4, 1, 2),
+        {"hysteresis": 2, "max_loss_scale": 4},
+        "FTFF",
+        [4, 4, 4, 2],
+        id="hysteresis-refilled-when-growth-refused",
+    ),
+    pytest.param(
+        (4, 1, 2),
+        {"hysteresis": 2, "min_loss_scale": 2},
+        "FFFFT",
+        [4, 2, 2, 2, 4],
+        id="hysteresis-floor",
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("args", "kwargs", "steps", "expected"), TRAJECTORIES)
+def test_trajectory(args, kwargs, steps, expected, mode):
+    check_trajectory(jls.DynamicLossScale(*args, **kwargs), steps, expected, mode)
+
+
+# (scale, good_steps, overflows_until_backoff) after each step.
+FULL_STATES = [
+    pytest.param(
+        (1, 3, 2),
+        {},
+        "TTTTF",
+        [(1, 1, 1), (1, 2, 1), (2, 0, 1), (2, 1, 1), (1, 0, 1)],
+        id="period3",
+    ),
+    pytest.param(
+        (8, 3, 2),
+        {},
+        "TTFTTT",
+        [(8, 1, 1), (8, 2, 1), (4, 0, 1), (4, 1, 1), (4, 2, 1), (8, 0, 1)],
+        id="reset",
+    ),
+    pytest.param(
+        (64, 2, 2),
+        {"hysteresis": 3},
+        "FFFFTTFFF",
+        [
+            (64, 0, 2),
+            (64, 0, 1),
+            (32, 0, 1),
+            (16, 0, 1),
+            (16, 1, 1),
+            (32, 0, 3),
+            (32, 0, 2),
+            (32, 0, 1),
+            (16, 0, 1),
+        ],
+        id="hysteresis3",
+    ),
+    pytest.param(
+        (16, 3, 2),
+        {"hysteresis": 2},
+        "FTFTF",
+        [(16, 0, 1), (16, 1, 1), (8, 0, 1), (8, 1, 1), (4, 0, 1)],
+        id="not-consecutive",
+    ),
+    pytest.param(
+        (16, 3, 2),
+        {"hysteresis": 2, "consecutive_hysteresis": True},
+        "FTFTF",
+        [(16, 0, 1), (16, 1, 2), (16, 0, 1), (16, 1, 2), (16, 0, 1)],
+        id="consecutive",
+    ),
+    pytest.param(
+        (4, 1, 2),
+        {"hysteresis": 2, "max_loss_scale": 4},
+        "FTFF",
+        [(4, 0, 1), (4, 0, 2), (4, 0, 1), (2, 0, 1)],
+        id="refill-when-growth-refused",
+    ),
+    pytest.param(
+        (1, 2, 2),
+        {"max_loss_scale": 2},
+        "TTTT",
+        [(1, 1, 1), (2, 0, 1), (2, 1, 1), (2, 0, 1)],
+        id="good-steps-reset-when-growth-refused",
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("args", "kwargs", "steps", "expected"), FULL_STATES)
+def test_full_state_trajectory(args, kwargs, steps, expected, mode):
+    states, applies = run(jls.DynamicLossScale(*args, **kwargs), steps, mode)
+    assert full_states_of(states) == expected
+    assert [bool(a) for a in applies] == [flag == "T" for flag in steps]
+
+
+def test_consecutive_hysteresis_changes_the_trajectory():
+    steps = "FTFTFTF"
+    plain = jls.DynamicLossScale(16, 3, 2, hysteresis=2)
+    consecutive = jls.DynamicLossScale(16, 3, 2, hysteresis=2, consecutive_hysteresis=True)
+    assert scales_of(run(plain, steps, "jit")[0]) == [16, 16, 8, 8, 4, 4, 2]
+    assert scales_of(run(consecutive, steps, "jit")[0]) == [16] * 7
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
+def test_each_nonfinite_value_detected(value, mode):
+    ls = jls.DynamicLossScale(8.0, 2, 2.0)
+    with mode_context(mode):
+        state, should_apply = ls.update(ls.init(), {"w": jnp.full((2, 3), value)})
+        single, single_apply = ls.update(ls.init(), {"w": jnp.array(value)})
+    assert not bool(should_apply)
+    assert not bool(single_apply)
+    assert float(state.loss_scale) == 4.0
+    assert float(single.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
+def test_nonfinite_in_one_leaf_among_many(value, mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0)
+    leaves = {f"layer{i}": {"w": jnp.ones((4, 5)), "b": jnp.zeros(5)} for i in range(6)}
+    bad = copy.deepcopy(leaves)
+    bad["layer4"]["w"] = jnp.ones((4, 5)).at[3, 2].set(value)
+    with mode_context(mode):
+        good_state, good_apply = jax.jit(ls.update)(ls.init(), leaves)
+        bad_state, bad_apply = jax.jit(ls.update)(ls.init(), [leaves, (bad,)])
+    assert bool(good_apply)
+    assert float(good_state.loss_scale) == 16.0
+    assert not bool(bad_apply)
+    assert float(bad_state.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
+def test_low_precision_leaves(dtype, value, mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0)
+    finite = {"a": jnp.full(4, 3.0, dtype), "b": jnp.ones(2, jnp.float32)}
+    nonfinite = {"a": jnp.array([1.0, value, 2.0], dtype), "b": jnp.ones(2, jnp.float32)}
+    with mode_context(mode):
+        state, should_apply = ls.update(ls.init(), finite)
+        assert bool(should_apply)
+        assert float(state.loss_scale) == 16.0
+        state, should_apply = ls.update(state, nonfinite)
+        assert not bool(should_apply)
+        assert float(state.loss_scale) == 8.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_overflow_is_detected(mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0)
+    overflowed = jnp.array([60000.0], jnp.float16) * jnp.array([2.0], jnp.float16)
+    assert jnp.isinf(overflowed).all()
+    with mode_context(mode):
+        state, should_apply = ls.update(ls.init(), {"w": overflowed})
+    assert not bool(should_apply)
+    assert float(state.loss_scale) == 4.0
+
+
+def float0_zeros(shape):
+    return np.zeros(shape, dtype=jax.dtypes.float0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_floating_leaves_are_ignored(mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0)
+    extra = {
+        "int": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
+        "uint8": jnp.array([255], jnp.uint8),
+        "bool": jnp.array([True, False]),
+        "none": None,
+        "float0": float0_zeros((3,)),
+    }
+    update = jax.jit(ls.update) if mode == "jit" else ls.update
+    with mode_context(mode):
+        state, should_apply = update(ls.init(), {**extra, "w": jnp.ones(3)})
+        assert bool(should_apply)
+        assert float(state.loss_scale) == 16.0
+        state, should_apply = update(state, {**extra, "w": jnp.array([jnp.nan])})
+        assert not bool(should_apply)
+        assert float(state.loss_scale) == 8.0
+        state, should_apply = update(state, extra)
+        assert bool(should_apply)
+        assert float(state.loss_scale) == 16.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tree", [{}, None, [], (None, {"a": None})], ids=repr)
+def test_empty_gradients_are_finite(tree, mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0)
+    with mode_context(mode):
+        state, should_apply = ls.update(ls.init(), tree)
+    assert bool(should_apply)
+    assert float(state.loss_scale) == 16.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", [1.0, *NONFINITE], ids=["finite", "inf", "nan", "-inf"])
+def test_fixed_loss_scale_always_applies_and_never_changes(value, mode):
+    ls = jls.FixedLossScale(2.0**10)
+    state = ls.init()
+    before = np.asarray(state.loss_scale).copy()
+    update = jax.jit(ls.update) if mode == "jit" else ls.update
+    with mode_context(mode):
+        new_state = state
+        for _ in range(3):
+            new_state, should_apply = update(new_state, {"w": jnp.array([1.0, value])})
+            assert bool(should_apply)
+            assert should_apply.dtype == jnp.bool_
+            assert should_apply.shape == ()
+    assert isinstance(new_state, jls.FixedLossScaleState)
+    after = np.asarray(new_state.loss_scale)
+    assert after.dtype == np.float32
+    assert after.tobytes() == before.tobytes()
+    assert float(ls(new_state)) == 1024.0
+
+
+@pytest.mark.parametrize("value", [1, 1.5, 2**24 + 1, 3.3])
+def test_fixed_loss_scale_is_float32(value):
+    ls = jls.FixedLossScale(value)
+    state = ls.init()
+    assert state.loss_scale.dtype == jnp.float32
+    assert state.loss_scale.shape == ()
+    assert not state.loss_scale.weak_type
+    assert ls(state).dtype == jnp.float32
+    assert float(ls(state)) == float(np.float32(value))
+    aval = jax.eval_shape(ls.init).loss_scale
+    assert (aval.shape, aval.dtype, aval.weak_type) == ((), jnp.float32, False)
+
+
+DYNAMIC_DTYPES = (jnp.float32, jnp.int32, jnp.int32)
+
+
+def check_state_avals(state):
+    assert isinstance(state, jls.DynamicLossScaleState)
+    for leaf, dtype in zip(state, DYNAMIC_DTYPES, strict=True):
+        assert leaf.shape == ()
+        assert leaf.dtype == dtype
+        assert leaf.weak_type is False
+
+
+STATE_CONFIGS = [
+    jls.DynamicLossScale(),
+    jls.DynamicLossScale(1, 1, 3),
+    jls.DynamicLossScale(
+        2**15,
+        2,
+        2.0,
+        backoff_factor=0.5,
+        min_loss_scale=0.25,
+        max_loss_scale=2.0**17,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("ls", STATE_CONFIGS, ids=["default", "mult3", "all-options"])
+def test_state_dtypes_from_init(ls):
+    check_state_avals(ls.init())
+    check_state_avals(jax.eval_shape(ls.init))
+    check_state_avals(jax.jit(ls.init)())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ls", STATE_CONFIGS, ids=["default", "mult3", "all-options"])
+def test_state_dtypes_after_update(ls, mode):
+    states, applies = run(ls, "TTFTFFTTTT", mode)
+    for state in states:
+        check_state_avals(state)
+    for should_apply in applies:
+        assert (should_apply.shape, should_apply.dtype) == ((), jnp.bool_)
+    out_state, out_apply = jax.eval_shape(ls.update, ls.init(), finite_grads())
+    check_state_avals(out_state)
+    assert (out_apply.shape, out_apply.dtype, out_apply.weak_type) == ((), jnp.bool_, False)
+    jaxpr = jax.make_jaxpr(ls.update)(ls.init(), nonfinite_grads())
+    assert [(a.shape, a.dtype, a.weak_type) for a in jaxpr.out_avals] == [
+        ((), jnp.float32, False),
+        ((), jnp.int32, False),
+        ((), jnp.int32, False),
+        ((), jnp.bool_, False),
+    ]
+
+
+def test_one_trace_over_100_steps():
+    ls = jls.DynamicLossScale(4.0, 3, 2.0, hysteresis=2)
+    traces = 0
+
+    @chex.assert_max_traces(n=1)
+    def step(state, grads):
+        nonlocal traces
+        traces += 1
+        return ls.update(state, grads)
+
+    jitted = jax.jit(step)
+    state = ls.init()
+    scales, applies = [float(state.loss_scale)], []
+    for i in range(100):
+        flag = "F" if i % 11 in (7, 8) else "T"
+        state, should_apply = jitted(state, grads_for(flag, i))
+        scales.append(float(state.loss_scale))
+        applies.append(bool(should_apply))
+    assert traces == 1
+    assert not all(applies)
+    assert any(b > a for a, b in itertools.pairwise(scales))
+    assert any(b < a for a, b in itertools.pairwise(scales))
+    # Each window of 11 steps: 7 finite steps grow twice, two overflows back off once.
+    assert scales[:12] == [4, 4, 4, 8, 8, 8, 16, 16, 16, 8, 8, 8]
+
+
+def check_min_floor_trajectory(update, ls):
+    state = ls.init()
+    scales = []
+    for flag in "FFFTTF":
+        state, _ = update(ls, state, grads_for(flag, 0))
+        scales.append(float(state.loss_scale))
+    return scales
+
+
+HYPER_LS = jls.DynamicLossScale(1.0, 2, 2.0, min_loss_scale=0.25, max_loss_scale=1.0, hysteresis=2)
+HYPER_EXPECTED = [1.0, 0.5, 0.25, 0.25, 0.5, 0.5]
+
+
+def test_loss_scale_closed_over_in_jit():
+    closed = jax.jit(lambda state, grads: HYPER_LS.update(state, grads))
+    scales = check_min_floor_trajectory(lambda ls, s, g: closed(s, g), HYPER_LS)
+    assert scales == HYPER_EXPECTED
+
+
+def test_loss_scale_as_static_argument():
+    static = jax.jit(lambda ls, state, grads: ls.update(state, grads), static_argnums=0)
+    assert check_min_floor_trajectory(static, HYPER_LS) == HYPER_EXPECTED
+
+
+def test_loss_scale_as_regular_jit_argument():
+    assert jax.tree.leaves(HYPER_LS) == []
+    assert jax.tree.leaves(jls.FixedLossScale(4.0)) == []
+    regular = jax.jit(lambda ls, state, grads: ls.update(state, grads))
+    assert check_min_floor_trajectory(regular, HYPER_LS) == HYPER_EXPECTED
+    fixed = jls.FixedLossScale(4.0)
+    state, should_apply = regular(fixed, fixed.init(), nonfinite_grads())
+    assert bool(should_apply)
+    assert float(state.loss_scale) == 4.0
+
+
+def test_loss_scale_returned_from_jit_keeps_hyperparameters():
+    out = jax.jit(lambda ls: ls)(HYPER_LS)
+    assert out == HYPER_LS
+    assert out.min_loss_scale == 0.25
+    assert out.max_loss_scale == 1.0
+
+
+def test_equal_loss_scales_share_one_trace():
+    traces = 0
+
+    def step(ls, state, grads):
+        nonlocal traces
+        traces += 1
+        return ls.update(state, grads)
+
+    jitted = jax.jit(step, static_argnums=0)
+    for ls in [jls.DynamicLossScale(2**15), jls.DynamicLossScale(32768.0)]:
+        jitted(ls, ls.init(), finite_grads())
+    assert traces == 1
+    other = jls.DynamicLossScale(2**14)
+    jitted(other, other.init(), finite_grads())
+    assert traces == 2
+
+
+def test_equality_and_hashing():
+    a, b = jls.DynamicLossScale(2**15), jls.DynamicLossScale(32768.0)
+    assert a == b
+    assert hash(a) == hash(b)
+    assert jls.DynamicLossScale() == a
+    assert jls.DynamicLossScale(np.float32(32768), np.int64(2000), 2) == a
+    assert jls.FixedLossScale(2) == jls.FixedLossScale(2.0)
+    assert hash(jls.FixedLossScale(2)) == hash(jls.FixedLossScale(2.0))
+    assert jls.FixedLossScale(2.0) != jls.DynamicLossScale(2.0)
+    assert jls.DynamicLossScale(2.0) != jls.FixedLossScale(2.0)
+    assert jls.FixedLossScale(2.0) != jls.FixedLossScale(4.0)
+    assert len({a, b, jls.FixedLossScale(2.0), jls.FixedLossScale(2)}) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_loss_scale": 2.0**14},
+        {"increment_period": 1999},
+        {"multiplier": 3.0},
+        {"backoff_factor": 0.5},
+        {"min_loss_scale": 0.5},
+        {"max_loss_scale": 2.0**20},
+        {"hysteresis": 2},
+        {"consecutive_hysteresis": True},
+    ],
+    ids=lambda kwargs: next(iter(kwargs)),
+)
+def test_different_hyperparameters_are_unequal(kwargs):
+    assert jls.DynamicLossScale(**kwargs) != jls.DynamicLossScale()
+    assert jls.DynamicLossScale(**kwargs) == jls.DynamicLossScale(**kwargs)
+    assert hash(jls.DynamicLossScale(**kwargs)) == hash(jls.DynamicLossScale(**kwargs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("flag", ["T", "F"])
+def test_inputs_are_not_mutated(flag, mode):
+    ls = jls.DynamicLossScale(8.0, 1, 2.0, hysteresis=2)
+    state = jls.DynamicLossScaleState(
+        loss_scale=jnp.array(8.0, jnp.float32),
+        good_steps=jnp.array(0, jnp.int32),
+        overflows_until_backoff=jnp.array(1, jnp.int32),
+    )
+    grads = {"w": jnp.array([1.0, np.inf if flag == "F" else 2.0]), "n": None}
+    state_copy = jax.tree.map(np.array, state)
+    grads_copy = jax.tree.map(np.array, grads)
+    update = jax.jit(ls.update) if mode == "jit" else ls.update
+    with mode_context(mode):
+        new_state, _ = update(state, grads)
+    chex.assert_trees_all_equal(state, state_copy)
+    chex.assert_trees_all_equal(grads, grads_copy)
+    assert float(new_state.loss_scale) == (16.0 if flag == "T" else 4.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vmap_over_states(mode):
+    ls = jls.DynamicLossScale(8.0, 2, 2.0, hysteresis=2)
+    states = [
+        jls.DynamicLossScaleState(jnp.float32(8), jnp.int32(0), jnp.int32(2)),
+        jls.DynamicLossScaleState(jnp.float32(16), jnp.int32(1), jnp.int32(2)),
+        jls.DynamicLossScaleState(jnp.float32(4), jnp.int32(0), jnp.int32(1)),
+        jls.DynamicLossScaleState(jnp.float32(4), jnp.int32(1), jnp.int32(2)),
+    ]
+    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    grads = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [1.0, np.nan]])}
+    vmapped = jax.vmap(ls.update)
+    if mode == "jit":
+        vmapped = jax.jit(vmapped)
+    with mode_context(mode):
+        new_batch, should_apply = vmapped(batch, grads)
+    assert [bool(x) for x in should_apply] == [True, True, False, False]
+    check_state_avals(jax.tree.map(lambda x: x[0], new_batch))
+    expected = [(8.0, 1, 2), (32.0, 0, 2), (2.0, 0, 1), (4.0, 0, 1)]
+    assert full_states_of([jax.tree.map(lambda x, i=i: x[i], new_batch) for i in range(4)]) == (
+        expected
+    )
+    for i, state in enumerate(states):
+        single, single_apply = ls.update(state, {"w": grads["w"][i]})
+        chex.assert_trees_all_equal(single, jax.tree.map(lambda x, i=i: x[i], new_batch))
+        assert bool(single_apply) == bool(should_apply[i])
+
+
+def test_vmap_over_states_with_shared_grads():
+    ls = jls.DynamicLossScale(8.0, 1, 2.0, min_loss_scale=2.0)
+    batch = jls.DynamicLossScaleState(
+        jnp.array([2.0, 8.0, 64.0], jnp.float32),
+        jnp.zeros(3, jnp.int32),
+        jnp.ones(3, jnp.int32),
+    )
+    new_batch, should_apply = jax.vmap(ls.update, in_axes=(0, None))(batch, nonfinite_grads())
+    assert np.asarray(should_apply).tolist() == [False, False, False]
+    assert np.asarray(new_batch.loss_scale).tolist() == [2.0, 4.0, 32.0]
+    new_batch, should_apply = jax.vmap(ls.update, in_axes=(0, None))(batch, finite_grads())
+    assert np.asarray(should_apply).tolist() == [True, True, True]
+    assert np.asarray(new_batch.loss_scale).tolist() == [4.0, 16.0, 128.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "value"),
+    [
+        ({"min_loss_scale": 1e-42}, "min_loss_scale", "1e-42"),
+        (
+            {"initial_loss_scale": 1.0, "min_loss_scale": 2.0**-130},
+            "min_loss_scale",
+            "7.346839692639297e-40",
+        ),
+        (
+            {"initial_loss_scale": 2.0**-128, "min_loss_scale": 2.0**-126},
+            "initial_loss_scale",
+            "2.938735877055719e-39",
+        ),
+    ],
+)
+def test_subnormal_scales_are_refused_because_xla_flushes_them_to_zero(kwargs, name, value):
+    with pytest.raises(ValueError, match="smallest normal float32") as excinfo:
+        jls.DynamicLossScale(**kwargs)
+    assert str(excinfo.value) == (
+        f"DynamicLossScale({name}={value}): {name} must be >= the smallest normal float32 "
+        "(1.1754943508222875e-38)"
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_smallest_normal_floor_holds(mode):
+    tiny = float(np.finfo(np.float32).tiny)
+    ls = jls.DynamicLossScale(tiny * 4, 1, 2.0, min_loss_scale=tiny)
+    states, _ = run(ls, "FFFF", mode)
+    assert scales_of(states) == [tiny * 2, tiny, tiny, tiny]
+
+
+@pytest.mark.parametrize("multiplier", [3.0, 1.5, 1.1, 7.0])
+def test_backoff_division_is_the_same_with_and_without_jit(multiplier):
+    ls = jls.DynamicLossScale(1000.0, 1, multiplier, min_loss_scale=1e-3)
+    steps = "FFFFTFF"
+    expected, scale = [], np.float32(1000)
+    for flag in steps:
+        scale = scale * np.float32(multiplier) if flag == "T" else scale / np.float32(multiplier)
+        expected.append(float(scale))
+    assert scales_of(run(ls, steps, "nojit")[0]) == expected
+    assert scales_of(run(ls, steps, "jit")[0]) == expected

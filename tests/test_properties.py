@@ -1,0 +1,190 @@
+"""Property tests: `DynamicLossScale.update` against a plain-Python model of DESIGN.md 3.3."""
+
+import dataclasses
+import functools
+import math
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import jax_lossscale as jls
+
+F32_MAX = float(np.finfo(np.float32).max)
+LENGTH = 40
+SETTINGS = hypothesis.settings(max_examples=150, deadline=None)
+
+
+@dataclasses.dataclass
+class Model:
+    """DESIGN.md 3.3 in plain Python, with float32 scale arithmetic in numpy."""
+
+    initial_loss_scale: float
+    increment_period: int
+    multiplier: float
+    backoff_factor: float | None
+    min_loss_scale: float
+    max_loss_scale: float | None
+    hysteresis: int
+    consecutive_hysteresis: bool
+
+    def __post_init__(self):
+        self.scale = np.float32(self.initial_loss_scale)
+        self.good_steps = 0
+        # Non-finite steps since the hysteresis counter was last refilled.
+        self.overflows = 0
+
+    @property
+    def ceiling(self) -> np.float32:
+        return np.float32(F32_MAX if self.max_loss_scale is None else self.max_loss_scale)
+
+    @property
+    def overflows_until_backoff(self) -> int:
+        """Non-finite steps, the next one included, until the scale backs off."""
+        return max(self.hysteresis - self.overflows, 1)
+
+    def step(self, finite: bool) -> bool:
+        if finite:
+            self.good_steps += 1
+            if self.consecutive_hysteresis:
+                self.overflows = 0
+            if self.good_steps >= self.increment_period:
+                with np.errstate(over="ignore"):
+                    grown = self.scale * np.float32(self.multiplier)
+                if np.isfinite(grown) and grown <= self.ceiling:
+                    self.scale = grown
+                self.good_steps = 0
+                self.overflows = 0
+        else:
+            self.good_steps = 0
+            self.overflows += 1
+            if self.overflows >= self.hysteresis:
+                if self.backoff_factor is None:
+                    reduced = self.scale / np.float32(self.multiplier)
+                else:
+                    reduced = self.scale * np.float32(self.backoff_factor)
+                self.scale = max(reduced, np.float32(self.min_loss_scale))
+        return finite
+
+
+_I = F32_MAX / 4
+
+
+@pytest.mark.parametrize(
+    ("args", "hysteresis", "steps", "expected"),
+    [
+        ((1, 2, 2), 1, "TTTTTT", [1, 2, 2, 4, 4, 8]),
+        ((_I, 2, 2), 1, "TTTTTT", [_I, 2 * _I, 2 * _I, 4 * _I, 4 * _I, 4 * _I]),
+        ((1024, 2, 2), 1, "FFFFFF", [512, 256, 128, 64, 32, 16]),
+        ((16, 2, 2), 1, "FFFFFF", [8, 4, 2, 1, 1, 1]),
+        ((16, 2, 2), 2, "FFFTTTFF", [16, 8, 4, 4, 8, 8, 8, 4]),
+    ],
+)
+def test_model_reproduces_the_design_table(args, hysteresis, steps, expected):
+    model = Model(*args, None, 1.0, None, hysteresis, False)
+    scales = []
+    for flag in steps:
+        model.step(flag == "T")
+        scales.append(float(model.scale))
+    assert scales == expected
+
+
+INITIAL_SCALES = [
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    3.0,
+    10.0,
+    12345.678,
+    2.0**15,
+    1e5,
+    2.0**120,
+    F32_MAX / 4,
+    F32_MAX / 2,
+    F32_MAX,
+]
+MIN_SCALES = [1e-3, 1 / 1024, 0.25, 0.3, 0.5, 1.0, 3.0, 100.0]
+
+
+@st.composite
+def hyperparameters(draw) -> dict:
+    initial = draw(st.sampled_from(INITIAL_SCALES))
+    max_factor = draw(
+        st.none() | st.sampled_from([1.0, 1.5, 2.0, 3.0, 4.0, 10.0, 1000.0, math.inf])
+    )
+    return {
+        "initial_loss_scale": initial,
+        "increment_period": draw(st.integers(1, 5)),
+        "multiplier": draw(st.sampled_from([2.0, 3.0, 1.5, 1.25, 1.1, 4.0, 10.0])),
+        "backoff_factor": draw(st.none() | st.sampled_from([0.5, 0.25, 0.75, 0.1, 0.3])),
+        "min_loss_scale": draw(
+            st.sampled_from([m for m in [*MIN_SCALES, initial] if m <= initial])
+        ),
+        "max_loss_scale": None if max_factor is None else min(initial * max_factor, F32_MAX),
+        "hysteresis": draw(st.integers(1, 4)),
+        "consecutive_hysteresis": draw(st.booleans()),
+    }
+
+
+@st.composite
+def gradient_values(draw) -> list[float]:
+    """One value per step, placed inside the gradients: 1.0 for a finite step."""
+    finite_weight = draw(st.integers(1, 8))
+    choices = [1.0] * finite_weight + [math.inf, math.nan, -math.inf]
+    return draw(st.lists(st.sampled_from(choices), min_size=1, max_size=LENGTH))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_scan(ls: jls.DynamicLossScale, values: jax.Array):
+    def body(state, value):
+        grads = {"w": jnp.stack([jnp.float32(0.5), value]), "h": jnp.ones(2, jnp.float16)}
+        state, should_apply = ls.update(state, grads)
+        return state, (state, should_apply)
+
+    _, (states, should_apply) = jax.lax.scan(body, ls.init(), values)
+    return states, should_apply
+
+
+def run_library(kwargs: dict, values: list[float]):
+    padded = np.ones(LENGTH, np.float32)
+    padded[: len(values)] = values
+    states, should_apply = run_scan(jls.DynamicLossScale(**kwargs), padded)
+    n = len(values)
+    return (
+        np.asarray(states.loss_scale)[:n],
+        np.asarray(states.good_steps)[:n],
+        np.asarray(states.overflows_until_backoff)[:n],
+        np.asarray(should_apply)[:n],
+    )
+
+
+@SETTINGS
+@hypothesis.given(kwargs=hyperparameters(), values=gradient_values())
+def test_update_matches_the_model(kwargs, values):
+    scales, good_steps, overflows_until_backoff, should_apply = run_library(kwargs, values)
+    assert scales.dtype == np.float32
+    model = Model(**kwargs)
+    expected = []
+    for value in values:
+        applied = model.step(math.isfinite(value))
+        expected.append((model.scale, model.good_steps, model.overflows_until_backoff, applied))
+    expected_scales = np.array([e[0] for e in expected], np.float32)
+    np.testing.assert_array_equal(scales, expected_scales)
+    assert scales.view(np.uint32).tolist() == expected_scales.view(np.uint32).tolist()
+    assert good_steps.tolist() == [e[1] for e in expected]
+    assert overflows_until_backoff.tolist() == [e[2] for e in expected]
+    assert should_apply.tolist() == [e[3] for e in expected]
+
+
+@SETTINGS
+@hypothesis.given(kwargs=hyperparameters(), values=gradient_values())
+def test_scale_stays_within_bounds(kwargs, values):
+    scales, _, _, _ = run_library(kwargs, values)
+    ceiling = np.float32(F32_MAX if kwargs["max_loss_scale"] is None else kwargs["max_loss_scale"])
+    assert np.isfinite(scales).all()
+    assert (scales >= np.float32(kwargs["min_loss_scale"])).all()
+    assert (scales <= ceiling).all()
