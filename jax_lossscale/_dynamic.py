@@ -142,7 +142,7 @@ class DynamicLossScale(LossScale):
         good_steps_after_finite = good_steps + 1
         period_done = good_steps_after_finite >= np.int32(self.increment_period)
         grown = scale * np.float32(self.multiplier)
-        can_grow = jnp.isfinite(grown) & (grown <= np.float32(self._ceiling))
+        can_grow = grown <= np.float32(self._ceiling)  # false for inf too
         scale_after_finite = jnp.where(period_done & can_grow, grown, scale)
         refill = period_done | self.consecutive_hysteresis
         tolerance_after_finite = jnp.where(refill, full_tolerance, overflows_until_backoff)

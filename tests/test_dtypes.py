@@ -1,7 +1,5 @@
 """Dtypes (DESIGN.md 3.4): a float32 scale, float32 arithmetic, every leaf keeps its dtype."""
 
-from collections.abc import Callable
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,19 +11,6 @@ import jax_lossscale as jls
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
 VALUES = [1.0, -3.5, 0.1, 1e-3, 6e-5, 255.0, 60000.0, 0.0, -0.0]
 HALF_AND_SINGLE = [jnp.float16, jnp.bfloat16, jnp.float32]
-
-
-@pytest.fixture(params=["jit", "nojit"])
-def run(request) -> Callable:
-    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
-
-    def call(fn, *args):
-        if request.param == "jit":
-            return jax.jit(fn)(*args)
-        with jax.disable_jit():
-            return fn(*args)
-
-    return call
 
 
 # Powers of two: XLA turns `x / scale` into `x * (1 / scale)`, exact only for these.
@@ -59,27 +44,29 @@ def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
 
 @pytest.mark.parametrize("ls", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(run, ls, dtype):
+def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(jit_or_eager, ls, dtype):
     x = np.array(VALUES, np.float32).astype(dtype)
     with np.errstate(over="ignore"):  # 60000 / 0.5 is inf in float16, in both computations
         expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(dtype)
 
-    out = run(unscale, ls, {"g": x, "s": x[3]})
+    out = jit_or_eager(unscale, ls, {"g": x, "s": x[3]})
 
     chex.assert_trees_all_equal(out, {"g": expected, "s": expected[3]}, strict=True)
     assert_scale_is_float32(ls, ls.init())
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_by_a_scale_that_is_not_a_power_of_two_keeps_dtype_and_is_close(run, dtype):
+def test_unscale_by_a_scale_that_is_not_a_power_of_two_keeps_dtype_and_is_close(
+    jit_or_eager, dtype
+):
     x = np.array(VALUES, np.float32).astype(dtype)
     expected = (x.astype(np.float32) / np.float32(3.0)).astype(dtype)
-    out = run(unscale, jls.FixedLossScale(3.0), x)
+    out = jit_or_eager(unscale, jls.FixedLossScale(3.0), x)
     assert out.dtype == dtype
     chex.assert_trees_all_close(out, expected, rtol=float(jnp.finfo(dtype).eps), atol=0.0)
 
 
-def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale(run):
+def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale(jit_or_eager):
     ls = jls.DynamicLossScale(2.0**15, increment_period=1)
     # Each of these would be rounded, overflow or underflow on a trip through float32.
     x = np.array([1.0 / 3.0, 1e300, -(2.0**-1000), 7.0], np.float64)
@@ -88,7 +75,7 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
         assert_scale_is_float32(ls, state)
         assert state.good_steps.dtype == jnp.int32
 
-        out = run(ls.unscale, state, {"f64": x, "f32": x[:1].astype(np.float32)})
+        out = jit_or_eager(ls.unscale, state, {"f64": x, "f32": x[:1].astype(np.float32)})
         chex.assert_trees_all_equal(
             out,
             {
@@ -98,7 +85,7 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
             strict=True,
         )
 
-        state, should_apply = run(ls.update, state, out)
+        state, should_apply = jit_or_eager(ls.update, state, out)
         assert bool(should_apply)
         assert_scale_is_float32(ls, state)
         chex.assert_trees_all_equal_dtypes(state, ls.init())
@@ -115,31 +102,31 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
     ],
     ids=["2**15", "2**16", "2**17", "2**24"],
 )
-def test_unscale_float16_near_its_maximum_is_exact(run, loss_scale, expected):
+def test_unscale_float16_near_its_maximum_is_exact(jit_or_eager, loss_scale, expected):
     ls = jls.DynamicLossScale(loss_scale)
-    out = run(unscale, ls, {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
+    out = jit_or_eager(unscale, ls, {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
     chex.assert_trees_all_equal(
         out, {"g": np.array([expected, -expected], np.float16)}, strict=True
     )
     assert float(np.float16(expected)) == expected
 
 
-def test_unscale_float16_maximum_by_2_pow_16_is_exact(run):
-    out = run(unscale, jls.FixedLossScale(2.0**16), jnp.array(F16_MAX, jnp.float16))
+def test_unscale_float16_maximum_by_2_pow_16_is_exact(jit_or_eager):
+    out = jit_or_eager(unscale, jls.FixedLossScale(2.0**16), jnp.array(F16_MAX, jnp.float16))
     chex.assert_trees_all_equal(out, np.float16(0.99951171875), strict=True)
 
 
-def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(run):
+def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(jit_or_eager):
     ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
     state = ls.init()
     grads = {"w": jnp.array([60000.0, -60000.0, 30000.0, 1.0], jnp.float16)}
 
-    unscaled = run(ls.unscale, state, grads)
+    unscaled = jit_or_eager(ls.unscale, state, grads)
     chex.assert_trees_all_equal(
         unscaled, {"w": np.array([np.inf, -np.inf, 60000.0, 2.0], np.float16)}, strict=True
     )
 
-    new_state, should_apply = run(ls.update, state, unscaled)
+    new_state, should_apply = jit_or_eager(ls.update, state, unscaled)
     assert should_apply.dtype == jnp.bool_
     assert not bool(should_apply)
     chex.assert_trees_all_equal(
@@ -154,10 +141,10 @@ def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step
 # --- scale ------------------------------------------------------------------------------------
 
 
-def test_scale_float32_loss_is_the_exact_float32_product(run):
+def test_scale_float32_loss_is_the_exact_float32_product(jit_or_eager):
     loss = np.float32(0.1)
     for ls in [*LOSS_SCALES.values(), jls.FixedLossScale(3.0)]:
-        out = run(scale, ls, jnp.asarray(loss))
+        out = jit_or_eager(scale, ls, jnp.asarray(loss))
         chex.assert_trees_all_equal(out, loss * np.float32(scale_of(ls)), strict=True)
 
 
@@ -171,8 +158,8 @@ def test_scale_float32_loss_is_the_exact_float32_product(run):
     ],
     ids=["one", "minus-one", "scale-beyond-f16", "subnormal"],
 )
-def test_scale_float16_computes_in_float32(run, loss_scale, loss, expected):
-    out = run(scale, jls.DynamicLossScale(loss_scale), jnp.float16(loss))
+def test_scale_float16_computes_in_float32(jit_or_eager, loss_scale, loss, expected):
+    out = jit_or_eager(scale, jls.DynamicLossScale(loss_scale), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
@@ -181,37 +168,37 @@ def test_scale_float16_computes_in_float32(run, loss_scale, loss, expected):
     [(3.0, np.inf), (-3.0, -np.inf), (2.0, np.inf), (1.99, 65216.0)],
     ids=["3", "-3", "2", "1.99"],
 )
-def test_scale_float16_loss_overflow_is_visible_as_inf(run, loss, expected):
+def test_scale_float16_loss_overflow_is_visible_as_inf(jit_or_eager, loss, expected):
     # 3 * 2**15 = 98304 and 2 * 2**15 = 65536 are past the float16 maximum 65504.
-    out = run(scale, jls.DynamicLossScale(2.0**15), jnp.float16(loss))
+    out = jit_or_eager(scale, jls.DynamicLossScale(2.0**15), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
-def test_scale_bfloat16_loss_does_not_overflow_where_float16_would(run):
-    out = run(scale, jls.DynamicLossScale(2.0**15), jnp.bfloat16(3.0))
+def test_scale_bfloat16_loss_does_not_overflow_where_float16_would(jit_or_eager):
+    out = jit_or_eager(scale, jls.DynamicLossScale(2.0**15), jnp.bfloat16(3.0))
     chex.assert_trees_all_equal(out, jnp.bfloat16(98304.0), strict=True)
 
 
-def test_scale_leaves_integer_and_boolean_leaves_unchanged(run):
+def test_scale_leaves_integer_and_boolean_leaves_unchanged(jit_or_eager):
     tree = {
         "loss": jnp.float32(0.75),
         "count": jnp.array([1, 2, np.iinfo(np.int32).max], jnp.int32),
         "u8": jnp.array([255], jnp.uint8),
         "mask": jnp.array([True, False]),
     }
-    out = run(scale, jls.FixedLossScale(8.0), tree)
+    out = jit_or_eager(scale, jls.FixedLossScale(8.0), tree)
     chex.assert_trees_all_equal(out, {**tree, "loss": jnp.float32(6.0)}, strict=True)
 
 
-def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale(run):
+def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale(jit_or_eager):
     ls = jls.DynamicLossScale(2.0**15)
     z = jnp.array([1 + 2j, -0.5j], jnp.complex64)
 
-    scaled = run(scale, ls, z)
+    scaled = jit_or_eager(scale, ls, z)
     chex.assert_trees_all_equal(
         scaled, np.array([32768 + 65536j, -16384j], np.complex64), strict=True
     )
-    chex.assert_trees_all_equal(run(unscale, ls, scaled), np.asarray(z), strict=True)
+    chex.assert_trees_all_equal(jit_or_eager(unscale, ls, scaled), np.asarray(z), strict=True)
 
 
 # --- mixed trees ------------------------------------------------------------------------------
@@ -229,10 +216,10 @@ def mixed_tree() -> dict:
 
 
 @pytest.mark.parametrize("method", ["scale", "unscale"])
-def test_mixed_tree_keeps_every_leaf_dtype_and_structure(run, method):
+def test_mixed_tree_keeps_every_leaf_dtype_and_structure(jit_or_eager, method):
     ls = jls.FixedLossScale(4.0)
     tree = mixed_tree()
-    out = run(scale if method == "scale" else unscale, ls, tree)
+    out = jit_or_eager(scale if method == "scale" else unscale, ls, tree)
 
     chex.assert_trees_all_equal_structs(out, tree)
     chex.assert_trees_all_equal_dtypes(out, tree)
@@ -250,12 +237,12 @@ def test_mixed_tree_keeps_every_leaf_dtype_and_structure(run, method):
     chex.assert_trees_all_equal(out, expected, strict=True)
 
 
-def test_update_with_half_precision_gradients_keeps_the_state_dtypes(run):
+def test_update_with_half_precision_gradients_keeps_the_state_dtypes(jit_or_eager):
     ls = jls.DynamicLossScale(2.0**15, increment_period=1)
     state = ls.init()
-    unscaled = run(ls.unscale, state, mixed_tree())
+    unscaled = jit_or_eager(ls.unscale, state, mixed_tree())
 
-    state, should_apply = run(ls.update, state, unscaled)
+    state, should_apply = jit_or_eager(ls.update, state, unscaled)
     chex.assert_trees_all_equal_dtypes(state, ls.init())
     assert_scale_is_float32(ls, state)
     assert bool(should_apply)

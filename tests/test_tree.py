@@ -18,21 +18,8 @@ FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
 NON_FINITE = [np.nan, np.inf, -np.inf]
 
 
-@pytest.fixture(params=["jit", "nojit"])
-def run(request) -> Callable:
-    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
-
-    def call(fn, *args):
-        if request.param == "jit":
-            return jax.jit(fn)(*args)
-        with jax.disable_jit():
-            return fn(*args)
-
-    return call
-
-
-def finite(run: Callable, tree) -> bool:
-    result = run(jls.all_finite, tree)
+def finite(jit_or_eager: Callable, tree) -> bool:
+    result = jit_or_eager(jls.all_finite, tree)
     assert result.dtype == jnp.bool_
     assert result.shape == ()
     return bool(result)
@@ -50,44 +37,44 @@ def float0_zeros(shape: tuple[int, ...]) -> np.ndarray:
     [{}, [], (), None, {"a": None, "b": [None, (None,)]}, [{}, ()]],
     ids=["dict", "list", "tuple", "none", "nested-nones", "nested-empties"],
 )
-def test_empty_tree_and_tree_of_nones_are_finite(run, tree):
-    assert finite(run, tree) is True
+def test_empty_tree_and_tree_of_nones_are_finite(jit_or_eager, tree):
+    assert finite(jit_or_eager, tree) is True
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_non_finite_value_in_any_floating_dtype_is_detected(run, dtype, value):
+def test_non_finite_value_in_any_floating_dtype_is_detected(jit_or_eager, dtype, value):
     good = jnp.array([1.0, -2.0, 3.0, 0.0], dtype)
     bad = good.at[2].set(value)
-    assert finite(run, {"ok": jnp.ones(3), "g": good}) is True
-    assert finite(run, {"ok": jnp.ones(3), "g": bad}) is False
+    assert finite(jit_or_eager, {"ok": jnp.ones(3), "g": good}) is True
+    assert finite(jit_or_eager, {"ok": jnp.ones(3), "g": bad}) is False
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
-def test_non_finite_imaginary_part_is_detected(run, value):
+def test_non_finite_imaginary_part_is_detected(jit_or_eager, value):
     leaf = jnp.array([1 + 1j, complex(2.0, value)], jnp.complex64)
-    assert finite(run, [leaf]) is False
+    assert finite(jit_or_eager, [leaf]) is False
 
 
-def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes(run):
+def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes(jit_or_eager):
     ints = {
         "i32": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
         "u8": jnp.array([255, 0], jnp.uint8),
         "bool": jnp.array([True, False]),
         "np_i32": np.full((3,), np.iinfo(np.int32).max, np.int32),
     }
-    assert finite(run, ints) is True
-    assert finite(run, {**ints, "f": jnp.ones(2)}) is True
-    assert finite(run, {**ints, "f": jnp.array([1.0, np.nan])}) is False
+    assert finite(jit_or_eager, ints) is True
+    assert finite(jit_or_eager, {**ints, "f": jnp.ones(2)}) is True
+    assert finite(jit_or_eager, {**ints, "f": jnp.array([1.0, np.nan])}) is False
 
 
-def test_float0_leaves_are_ignored(run):
+def test_float0_leaves_are_ignored(jit_or_eager):
     _, int_grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)(1.0, 3)
     assert int_grad.dtype == jax.dtypes.float0
     tree = {"from_grad": int_grad, "zeros": float0_zeros((2, 3))}
-    assert finite(run, tree) is True
-    assert finite(run, {**tree, "f": jnp.full((2,), 0.5)}) is True
-    assert finite(run, {**tree, "f": jnp.array([0.5, -np.inf])}) is False
+    assert finite(jit_or_eager, tree) is True
+    assert finite(jit_or_eager, {**tree, "f": jnp.full((2,), 0.5)}) is True
+    assert finite(jit_or_eager, {**tree, "f": jnp.array([0.5, -np.inf])}) is False
 
 
 @pytest.mark.parametrize(
@@ -102,12 +89,12 @@ def test_float0_leaves_are_ignored(run):
     ],
     ids=["f32", "f32-inf", "f16-nan", "np-f32-neg-inf", "np-f16", "i32"],
 )
-def test_scalar_leaf(run, leaf, expected):
-    assert finite(run, leaf) is expected
-    assert finite(run, {"s": leaf}) is expected
+def test_scalar_leaf(jit_or_eager, leaf, expected):
+    assert finite(jit_or_eager, leaf) is expected
+    assert finite(jit_or_eager, {"s": leaf}) is expected
 
 
-def test_one_bad_entry_deep_inside_a_nested_tree(run):
+def test_one_bad_entry_deep_inside_a_nested_tree(jit_or_eager):
     def tree(deep):
         return {
             "a": [jnp.ones(2), {"b": (jnp.zeros((2, 2)), None, {"c": [jnp.ones(1), deep]})}],
@@ -115,22 +102,22 @@ def test_one_bad_entry_deep_inside_a_nested_tree(run):
         }
 
     ok = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.bfloat16)
-    assert finite(run, tree(ok)) is True
-    assert finite(run, tree(ok.at[4].set(np.nan))) is False
+    assert finite(jit_or_eager, tree(ok)) is True
+    assert finite(jit_or_eager, tree(ok.at[4].set(np.nan))) is False
 
 
-def test_numpy_arrays_as_leaves(run):
+def test_numpy_arrays_as_leaves(jit_or_eager):
     good = {"f32": np.ones((2, 2), np.float32), "f16": np.full((3,), 0.25, np.float16)}
-    assert finite(run, good) is True
-    assert finite(run, {**good, "bad": np.array([0.0, np.inf], np.float32)}) is False
-    assert finite(run, {**good, "bad": np.array([np.nan], np.float16)}) is False
+    assert finite(jit_or_eager, good) is True
+    assert finite(jit_or_eager, {**good, "bad": np.array([0.0, np.inf], np.float32)}) is False
+    assert finite(jit_or_eager, {**good, "bad": np.array([np.nan], np.float16)}) is False
 
 
-def test_large_array_with_one_nan_at_the_end(run):
+def test_large_array_with_one_nan_at_the_end(jit_or_eager):
     leaf = np.ones((1 << 20,), np.float32)
-    assert finite(run, {"w": leaf}) is True
+    assert finite(jit_or_eager, {"w": leaf}) is True
     leaf[-1] = np.nan
-    assert finite(run, {"w": leaf}) is False
+    assert finite(jit_or_eager, {"w": leaf}) is False
 
 
 # --- leaf checks ------------------------------------------------------------------------------
@@ -241,7 +228,7 @@ def sharded_grads(mesh, bad_device: int | None, value: float = np.inf) -> dict:
 
 
 @pytest.mark.parametrize(("bad_device", "value"), BAD_DEVICE_CASES)
-def test_shard_map_all_finite_with_axis_name(run, mesh, bad_device, value):
+def test_shard_map_all_finite_with_axis_name(jit_or_eager, mesh, bad_device, value):
     grads = sharded_grads(mesh, bad_device, value)
     replicated_out = jax.shard_map(
         lambda g: jls.all_finite(g, axis_name="d"), mesh=mesh, in_specs=P("d"), out_specs=P()
@@ -252,17 +239,19 @@ def test_shard_map_all_finite_with_axis_name(run, mesh, bad_device, value):
         in_specs=P("d"),
         out_specs=P("d"),
     )
-    result = run(replicated_out, grads)
+    result = jit_or_eager(replicated_out, grads)
     assert result.dtype == jnp.bool_
     assert result.shape == ()
     assert bool(result) is (bad_device is None)
     np.testing.assert_array_equal(
-        run(per_device_out, grads), np.full((N_DEVICES,), bad_device is None)
+        jit_or_eager(per_device_out, grads), np.full((N_DEVICES,), bad_device is None)
     )
 
 
 @pytest.mark.parametrize("bad_device", [None, 6])
-def test_shard_map_update_with_axis_name_gives_every_device_the_same_state(run, mesh, bad_device):
+def test_shard_map_update_with_axis_name_gives_every_device_the_same_state(
+    jit_or_eager, mesh, bad_device
+):
     ls = dynamic_loss_scale()
     grads = sharded_grads(mesh, bad_device)
     expected = single_device_update(ls, per_device_grads(bad_device))
@@ -273,7 +262,7 @@ def test_shard_map_update_with_axis_name_gives_every_device_the_same_state(run, 
         in_specs=(P(), P("d")),
         out_specs=P(),
     )
-    chex.assert_trees_all_equal(run(replicated_out, ls.init(), grads), expected)
+    chex.assert_trees_all_equal(jit_or_eager(replicated_out, ls.init(), grads), expected)
 
     per_device_out = jax.shard_map(
         lambda s, g: jax.tree.map(lambda x: x[None], ls.update(s, g, axis_name="d")),
@@ -308,7 +297,7 @@ SPMD_SPECS = {"w": P("d", None), "v": P(None, "d"), "b": P(), "n": P("d")}
     [None, ("w", (63, 15)), ("w", (0, 0)), ("v", (4, 7)), ("b", (3,))],
     ids=["finite", "w-last-shard", "w-first-shard", "v-column-shard", "replicated-b"],
 )
-def test_spmd_jit_update_without_axis_name_matches_one_device(run, mesh, bad):
+def test_spmd_jit_update_without_axis_name_matches_one_device(jit_or_eager, mesh, bad):
     ls = dynamic_loss_scale()
     host = spmd_grads(bad)
     sharded = {
@@ -317,8 +306,8 @@ def test_spmd_jit_update_without_axis_name_matches_one_device(run, mesh, bad):
     }
     assert len(sharded["w"].addressable_shards) == N_DEVICES
 
-    state, should_apply = run(ls.update, ls.init(), sharded)
+    state, should_apply = jit_or_eager(ls.update, ls.init(), sharded)
     chex.assert_trees_all_equal((state, should_apply), single_device_update(ls, host))
     assert bool(should_apply) is (bad is None)
     assert float(ls(state)) == (2.0**16 if bad is None else 2.0**14)
-    assert bool(run(jls.all_finite, sharded)) is (bad is None)
+    assert bool(jit_or_eager(jls.all_finite, sharded)) is (bad is None)
