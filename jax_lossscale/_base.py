@@ -12,9 +12,8 @@ from jax_lossscale._tree import (
     AxisName,
     PyTree,
     check_array_leaves,
-    divide_keep_dtype,
-    map_floating,
-    multiply_keep_dtype,
+    divide_floating,
+    multiply_floating,
 )
 
 _Self = TypeVar("_Self", bound="LossScale")
@@ -29,8 +28,11 @@ class LossScale(abc.ABC):
     `jit`, `pmap` and `shard_map` and checkpoints like any other pytree.
 
     Subclasses implement `init`, `__call__`, `update` and `get_config`; `scale`,
-    `unscale` and `from_config` come with it. Decorate a subclass with
-    `jax_lossscale.register` to make it known to `deserialize` and `get`.
+    `unscale` and `from_config` come with it. Every subclass is registered with
+    JAX as a static pytree (no leaves), so its instances can be passed to `jit`
+    as ordinary arguments; they must therefore be hashable and immutable, as a
+    frozen dataclass is. Decorate a subclass with `jax_lossscale.register` to
+    make it known to `deserialize` and `get`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -40,6 +42,10 @@ class LossScale(abc.ABC):
       >>> ls.scale(state, jnp.float32(0.5))
       Array(64., dtype=float32)
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_static(cls)
 
     @abc.abstractmethod
     def init(self) -> PyTree:
@@ -88,28 +94,60 @@ class LossScale(abc.ABC):
     def scale(self, state: PyTree, tree: PyTree) -> PyTree:
         """Multiplies every floating leaf of `tree` (usually the loss) by the scale.
 
-        The product is computed in float32 (or wider) and each leaf keeps its
-        own dtype; non-floating leaves are returned unchanged.
+        Args:
+          state: the loss scale's state.
+          tree: a pytree of arrays. Integer, boolean and `float0` leaves pass
+            through unchanged.
+
+        Returns:
+          `tree` with each floating leaf times the scale, computed in float32 (or
+          wider) and cast back to the leaf's own dtype.
         """
         check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
-        loss_scale = self(state)
-        return map_floating(lambda leaf: multiply_keep_dtype(leaf, loss_scale), tree)
+        return multiply_floating(tree, self._checked_scale(state))
 
     def unscale(self, state: PyTree, grads: PyTree) -> PyTree:
         """Divides every floating leaf of `grads` by the scale.
 
-        The division is computed in float32 (or wider) and each leaf keeps its
-        own dtype; non-floating leaves are returned unchanged.
+        Args:
+          state: the loss scale's state.
+          grads: a pytree of arrays, the gradients of the scaled loss. Integer,
+            boolean and `float0` leaves pass through unchanged.
+
+        Returns:
+          `grads` with each floating leaf divided by the scale, computed in
+          float32 (or wider) and cast back to the leaf's own dtype.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_lossscale as jls
+          >>> ls = jls.FixedLossScale(1024.0)
+          >>> ls.unscale(ls.init(), {"w": jnp.array([2048.0], jnp.float16), "n": jnp.array(3)})
+          {'n': Array(3, dtype=int32, weak_type=True), 'w': Array([2.], dtype=float16)}
         """
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
+        return divide_floating(grads, self._checked_scale(state))
+
+    def _checked_scale(self, state: PyTree) -> jax.Array:
         loss_scale = self(state)
-        return map_floating(lambda leaf: divide_keep_dtype(leaf, loss_scale), grads)
+        if not (
+            isinstance(loss_scale, jax.Array | np.ndarray | np.generic)
+            and loss_scale.shape == ()
+            and loss_scale.dtype == np.float32
+        ):
+            raise TypeError(
+                f"{type(self).__name__}.__call__ must return a float32 scalar array, got "
+                f"{_describe(loss_scale)}"
+            )
+        return loss_scale
 
 
 def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> None:
-    """Raises unless `state` is a `state_type` of scalar arrays of the dtypes `owner.init()` gives.
+    """Raises unless `state` is a `state_type` of arrays like those `owner.init()` returns.
 
     The check runs on shapes and dtypes only, so it passes for tracers at trace time.
+    Weakly typed leaves are refused: a jitted step would trace again once `update`
+    returns them strongly typed.
     """
     name = type(owner).__name__
     if not isinstance(state, state_type):
@@ -120,15 +158,25 @@ def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> N
     expected = _state_template(owner)
     for field, value, template in zip(state._fields, state, expected, strict=True):
         if not isinstance(value, jax.Array | np.ndarray | np.generic):
+            raise TypeError(f"{name}: state.{field} must be an array, got {_describe(value)}")
+        if value.dtype != template.dtype or getattr(value, "weak_type", False):
             raise TypeError(
-                f"{name}: state.{field} must be an array, got {type(value).__name__} ({value!r})"
+                f"{name}: state.{field} must have dtype {template.dtype} (not weakly typed), "
+                f"got {_describe(value)}; build states with {name}.init()"
             )
-        if value.shape != template.shape or value.dtype != template.dtype:
+        if value.shape != template.shape:
             raise ValueError(
-                f"{name}: state.{field} must be a {template.dtype} array of shape "
-                f"{template.shape}, got {value.dtype} of shape {value.shape} (a state replicated "
-                "for pmap has scalar leaves only inside the pmapped function)"
+                f"{name}: state.{field} must have shape {template.shape}, got shape "
+                f"{value.shape}; a state replicated for pmap has scalar leaves only inside "
+                "the pmapped function"
             )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        weak = ", weakly typed" if getattr(value, "weak_type", False) else ""
+        return f"{type(value).__name__} of dtype {value.dtype} and shape {value.shape}{weak}"
+    return f"{type(value).__name__} ({value!r})"
 
 
 @functools.lru_cache(maxsize=128)

@@ -105,6 +105,9 @@ class DynamicLossScale(LossScale):
         normalize("consecutive_hysteresis", _validation.boolean)
 
         def fail(name, requirement):
+            used = getattr(self, name)
+            if used != received[name]:
+                requirement += f" (it rounds to {used!r} in float32)"
             _validation.fail("DynamicLossScale", name, received[name], requirement)
 
         if self.multiplier <= 1:
@@ -184,6 +187,3 @@ def _update(
 ) -> tuple[DynamicLossScaleState, jax.Array]:
     finite = finite_flag(grads, axis_name)
     return loss_scale._next_state(state, finite), finite
-
-
-jax.tree_util.register_static(DynamicLossScale)

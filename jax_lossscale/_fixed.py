@@ -64,6 +64,3 @@ class FixedLossScale(LossScale):
 
     def get_config(self) -> dict:
         return {"loss_scale_value": self.loss_scale_value}
-
-
-jax.tree_util.register_static(FixedLossScale)

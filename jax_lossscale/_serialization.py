@@ -110,7 +110,7 @@ def get(identifier: Any) -> LossScale | None:
         return identifier
     if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
         return FixedLossScale(identifier)
-    if identifier == "dynamic":
+    if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()
     if isinstance(identifier, dict):
         return deserialize(identifier)

@@ -1,5 +1,6 @@
 """Pytree utilities: leaf checks, the finiteness test and per-leaf scaling."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
     return finite_flag(tree, axis_name)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
     flags = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if is_floating(leaf)]
@@ -75,21 +77,31 @@ def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     return finite
 
 
-def map_floating(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
-    """Applies `fn` to the floating leaves of `tree`; other leaves pass through unchanged."""
-    return jax.tree.map(lambda leaf: fn(leaf) if is_floating(leaf) else leaf, tree)
+@jax.jit
+def multiply_floating(tree: PyTree, factor: jax.Array) -> PyTree:
+    """`leaf * factor` for each floating leaf, computed in float32 or wider, in the leaf's dtype."""
+    return _map_floating(lambda leaf, wide: leaf.astype(wide) * factor.astype(wide), tree)
 
 
-def multiply_keep_dtype(leaf: jax.Array, factor: jax.Array) -> jax.Array:
-    """`leaf * factor` computed in float32 or wider, returned in `leaf`'s dtype."""
-    wide = jnp.promote_types(leaf.dtype, jnp.float32)
-    return (leaf.astype(wide) * factor.astype(wide)).astype(leaf.dtype)
+@jax.jit
+def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
+    """`leaf / divisor` for each floating leaf, computed in float32 or wider, in the leaf's dtype.
+
+    XLA computes a division by a scalar as a multiplication by its reciprocal, which
+    is exact when the divisor is a power of two, as every scale of a
+    `DynamicLossScale` with a power-of-two `multiplier` is.
+    """
+    return _map_floating(lambda leaf, wide: leaf.astype(wide) / divisor.astype(wide), tree)
 
 
-def divide_keep_dtype(leaf: jax.Array, divisor: jax.Array) -> jax.Array:
-    """`leaf / divisor` computed in float32 or wider, returned in `leaf`'s dtype."""
-    wide = jnp.promote_types(leaf.dtype, jnp.float32)
-    return (leaf.astype(wide) / divisor.astype(wide)).astype(leaf.dtype)
+def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> PyTree:
+    def apply(leaf):
+        if not is_floating(leaf):
+            return leaf
+        wide = leaf.dtype if jnp.finfo(leaf.dtype).bits >= 32 else jnp.float32
+        return fn(leaf, wide).astype(leaf.dtype)
+
+    return jax.tree.map(apply, tree)
 
 
 def _path_name(path: tuple) -> str:

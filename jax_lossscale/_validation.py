@@ -2,7 +2,9 @@
 
 Each check returns the value as a plain Python `float`, `int` or `bool`, so that
 loss-scale objects compare, hash and serialize the same however a number was
-written (`2**15`, `32768.0`, `np.float32(32768)`).
+written (`2**15`, `32768.0`, `np.float32(32768)`). Real numbers are rounded to
+float32, the precision the state computes in, so that the checks and the
+config see the very values the update rule uses.
 """
 
 import math
@@ -22,7 +24,7 @@ def fail(owner: str, name: str, value: Any, requirement: str, error: type = Valu
 
 
 def real(owner: str, name: str, value: Any) -> float:
-    """A finite real number that float32 can hold."""
+    """A finite real number that float32 can hold, rounded to float32."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail(owner, name, value, "a real number", TypeError)
     number = float(value)
@@ -30,7 +32,7 @@ def real(owner: str, name: str, value: Any) -> float:
         fail(owner, name, value, "finite")
     if abs(number) > FLOAT32_MAX:
         fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
-    return number
+    return float(np.float32(number))
 
 
 def positive_real(owner: str, name: str, value: Any) -> float:

@@ -26,12 +26,17 @@ def scale_of(ls: jls.LossScale) -> float:
     return ls.loss_scale_value if isinstance(ls, jls.FixedLossScale) else ls.initial_loss_scale
 
 
-def unscale(ls: jls.LossScale, tree):
-    return ls.unscale(ls.init(), tree)
+def with_state(ls: jls.LossScale):
+    return ls, ls.init()
 
 
-def scale(ls: jls.LossScale, tree):
-    return ls.scale(ls.init(), tree)
+# The state is an argument of the jitted function, so the scale is traced, not a constant.
+def unscale(ls: jls.LossScale, state, tree):
+    return ls.unscale(state, tree)
+
+
+def scale(ls: jls.LossScale, state, tree):
+    return ls.scale(state, tree)
 
 
 def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
@@ -49,7 +54,7 @@ def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(jit_or_eager, ls, 
     with np.errstate(over="ignore"):  # 60000 / 0.5 is inf in float16, in both computations
         expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(dtype)
 
-    out = jit_or_eager(unscale, ls, {"g": x, "s": x[3]})
+    out = jit_or_eager(unscale, ls, ls.init(), {"g": x, "s": x[3]})
 
     chex.assert_trees_all_equal(out, {"g": expected, "s": expected[3]}, strict=True)
     assert_scale_is_float32(ls, ls.init())
@@ -61,7 +66,7 @@ def test_unscale_by_a_scale_that_is_not_a_power_of_two_keeps_dtype_and_is_close(
 ):
     x = np.array(VALUES, np.float32).astype(dtype)
     expected = (x.astype(np.float32) / np.float32(3.0)).astype(dtype)
-    out = jit_or_eager(unscale, jls.FixedLossScale(3.0), x)
+    out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(3.0)), x)
     assert out.dtype == dtype
     chex.assert_trees_all_close(out, expected, rtol=float(jnp.finfo(dtype).eps), atol=0.0)
 
@@ -104,7 +109,7 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
 )
 def test_unscale_float16_near_its_maximum_is_exact(jit_or_eager, loss_scale, expected):
     ls = jls.DynamicLossScale(loss_scale)
-    out = jit_or_eager(unscale, ls, {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
+    out = jit_or_eager(unscale, ls, ls.init(), {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
     chex.assert_trees_all_equal(
         out, {"g": np.array([expected, -expected], np.float16)}, strict=True
     )
@@ -112,7 +117,9 @@ def test_unscale_float16_near_its_maximum_is_exact(jit_or_eager, loss_scale, exp
 
 
 def test_unscale_float16_maximum_by_2_pow_16_is_exact(jit_or_eager):
-    out = jit_or_eager(unscale, jls.FixedLossScale(2.0**16), jnp.array(F16_MAX, jnp.float16))
+    out = jit_or_eager(
+        unscale, *with_state(jls.FixedLossScale(2.0**16)), jnp.array(F16_MAX, jnp.float16)
+    )
     chex.assert_trees_all_equal(out, np.float16(0.99951171875), strict=True)
 
 
@@ -144,7 +151,7 @@ def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step
 def test_scale_float32_loss_is_the_exact_float32_product(jit_or_eager):
     loss = np.float32(0.1)
     for ls in [*LOSS_SCALES.values(), jls.FixedLossScale(3.0)]:
-        out = jit_or_eager(scale, ls, jnp.asarray(loss))
+        out = jit_or_eager(scale, ls, ls.init(), jnp.asarray(loss))
         chex.assert_trees_all_equal(out, loss * np.float32(scale_of(ls)), strict=True)
 
 
@@ -159,7 +166,7 @@ def test_scale_float32_loss_is_the_exact_float32_product(jit_or_eager):
     ids=["one", "minus-one", "scale-beyond-f16", "subnormal"],
 )
 def test_scale_float16_computes_in_float32(jit_or_eager, loss_scale, loss, expected):
-    out = jit_or_eager(scale, jls.DynamicLossScale(loss_scale), jnp.float16(loss))
+    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(loss_scale)), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
@@ -170,12 +177,12 @@ def test_scale_float16_computes_in_float32(jit_or_eager, loss_scale, loss, expec
 )
 def test_scale_float16_loss_overflow_is_visible_as_inf(jit_or_eager, loss, expected):
     # 3 * 2**15 = 98304 and 2 * 2**15 = 65536 are past the float16 maximum 65504.
-    out = jit_or_eager(scale, jls.DynamicLossScale(2.0**15), jnp.float16(loss))
+    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
 def test_scale_bfloat16_loss_does_not_overflow_where_float16_would(jit_or_eager):
-    out = jit_or_eager(scale, jls.DynamicLossScale(2.0**15), jnp.bfloat16(3.0))
+    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.bfloat16(3.0))
     chex.assert_trees_all_equal(out, jnp.bfloat16(98304.0), strict=True)
 
 
@@ -186,7 +193,7 @@ def test_scale_leaves_integer_and_boolean_leaves_unchanged(jit_or_eager):
         "u8": jnp.array([255], jnp.uint8),
         "mask": jnp.array([True, False]),
     }
-    out = jit_or_eager(scale, jls.FixedLossScale(8.0), tree)
+    out = jit_or_eager(scale, *with_state(jls.FixedLossScale(8.0)), tree)
     chex.assert_trees_all_equal(out, {**tree, "loss": jnp.float32(6.0)}, strict=True)
 
 
@@ -194,11 +201,13 @@ def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale(jit_or_eage
     ls = jls.DynamicLossScale(2.0**15)
     z = jnp.array([1 + 2j, -0.5j], jnp.complex64)
 
-    scaled = jit_or_eager(scale, ls, z)
+    scaled = jit_or_eager(scale, ls, ls.init(), z)
     chex.assert_trees_all_equal(
         scaled, np.array([32768 + 65536j, -16384j], np.complex64), strict=True
     )
-    chex.assert_trees_all_equal(jit_or_eager(unscale, ls, scaled), np.asarray(z), strict=True)
+    chex.assert_trees_all_equal(
+        jit_or_eager(unscale, ls, ls.init(), scaled), np.asarray(z), strict=True
+    )
 
 
 # --- mixed trees ------------------------------------------------------------------------------
@@ -219,7 +228,7 @@ def mixed_tree() -> dict:
 def test_mixed_tree_keeps_every_leaf_dtype_and_structure(jit_or_eager, method):
     ls = jls.FixedLossScale(4.0)
     tree = mixed_tree()
-    out = jit_or_eager(scale if method == "scale" else unscale, ls, tree)
+    out = jit_or_eager(scale if method == "scale" else unscale, ls, ls.init(), tree)
 
     chex.assert_trees_all_equal_structs(out, tree)
     chex.assert_trees_all_equal_dtypes(out, tree)
@@ -247,3 +256,10 @@ def test_update_with_half_precision_gradients_keeps_the_state_dtypes(jit_or_eage
     assert_scale_is_float32(ls, state)
     assert bool(should_apply)
     assert float(ls(state)) == 2.0**16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=str)
+def test_float8_leaves_compute_in_float32_and_keep_their_dtype(jit_or_eager, dtype):
+    x = jnp.array([2.0, -0.5, 0.0], dtype)
+    out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(4.0)), {"g": x})
+    chex.assert_trees_all_equal(out, {"g": jnp.array([0.5, -0.125, 0.0], dtype)}, strict=True)

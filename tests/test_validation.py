@@ -349,7 +349,9 @@ def test_good_edge_values_are_accepted_and_init_holds_them(kwargs):
         strict=True,
     )
     for name, value in kwargs.items():
-        assert getattr(ls, name) == value
+        # Real hyperparameters are stored as the float32 values the update rule uses.
+        expected = float(np.float32(value)) if isinstance(value, float) else value
+        assert getattr(ls, name) == expected
 
 
 def test_fixed_loss_scale_edge_values():
@@ -478,13 +480,38 @@ def test_dynamic_rejects_state_leaves_of_wrong_shape_or_dtype(
     method, field, make_leaf, dtype, shape, mode
 ):
     ls = jls.DynamicLossScale(8.0, 2)
-    state = _good_dynamic_state()._replace(**{field: make_leaf()})
+    leaf = make_leaf()
+    state = _good_dynamic_state()._replace(**{field: leaf})
     call = _state_calls(ls)[method]
-    with pytest.raises(ValueError, match=rf"^DynamicLossScale: state\.{field} ") as excinfo:
+    wrong_dtype = dtype != _EXPECTED[field]
+    with pytest.raises(
+        TypeError if wrong_dtype else ValueError, match=rf"^DynamicLossScale: state\.{field} "
+    ) as excinfo:
         _run(mode, call, state)
-    assert str(excinfo.value).startswith(
-        f"DynamicLossScale: state.{field} must be a {_EXPECTED[field]} array of shape (), "
-        f"got {dtype} of shape {shape}"
+    if wrong_dtype:
+        # Under jit the leaf is a tracer; eagerly it is the array itself.
+        assert str(excinfo.value).startswith(
+            f"DynamicLossScale: state.{field} must have dtype {_EXPECTED[field]} "
+            "(not weakly typed), got "
+        )
+        assert f"of dtype {dtype} and shape {shape}; build states with" in str(excinfo.value)
+    else:
+        assert str(excinfo.value) == (
+            f"DynamicLossScale: state.{field} must have shape (), got shape {shape}; a state "
+            "replicated for pmap has scalar leaves only inside the pmapped function"
+        )
+
+
+def test_weakly_typed_state_leaves_are_refused_since_they_would_retrace():
+    ls = jls.DynamicLossScale(8.0, 2)
+    state = _good_dynamic_state()._replace(loss_scale=jnp.asarray(8.0))
+    assert state.loss_scale.weak_type
+    with pytest.raises(TypeError) as excinfo:
+        ls.update(state, {"w": jnp.ones(2)})
+    assert str(excinfo.value) == (
+        "DynamicLossScale: state.loss_scale must have dtype float32 (not weakly typed), got "
+        "ArrayImpl of dtype float32 and shape (), weakly typed; build states with "
+        "DynamicLossScale.init()"
     )
 
 
@@ -492,9 +519,11 @@ def test_dynamic_rejects_state_leaves_of_wrong_shape_or_dtype(
 def test_fixed_rejects_non_scalar_or_float16_scale(method):
     ls = jls.FixedLossScale(8.0)
     calls = _state_calls(ls)
-    with pytest.raises(ValueError, match=r"^FixedLossScale: state\.loss_scale must be a float32"):
+    with pytest.raises(
+        ValueError, match=r"^FixedLossScale: state\.loss_scale must have shape \(\)"
+    ):
         calls[method](jls.FixedLossScaleState(jnp.full(3, 8.0, jnp.float32)))
-    with pytest.raises(ValueError, match=r"got float16 of shape \(\)"):
+    with pytest.raises(TypeError, match=r"of dtype float16 and shape \(\);"):
         calls[method](jls.FixedLossScaleState(jnp.float16(8.0)))
 
 
@@ -505,9 +534,8 @@ def test_pmap_replicated_state_outside_pmap_is_rejected_with_a_hint():
     with pytest.raises(ValueError, match="replicated for pmap") as excinfo:
         ls.update(replicated, {"w": jnp.ones(2)})
     assert str(excinfo.value) == (
-        "DynamicLossScale: state.loss_scale must be a float32 array of shape (), got float32 "
-        "of shape (8,) (a state replicated for pmap has scalar leaves only inside the pmapped "
-        "function)"
+        "DynamicLossScale: state.loss_scale must have shape (), got shape (8,); a state "
+        "replicated for pmap has scalar leaves only inside the pmapped function"
     )
 
 
@@ -723,3 +751,81 @@ def test_loss_scales_are_frozen(ls, field, value):
         delattr(ls, field)
     assert ls == before
     assert not hasattr(ls, "new_attribute")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"multiplier": 1.00000001},
+            "DynamicLossScale(multiplier=1.00000001): multiplier must be > 1 "
+            "(it rounds to 1.0 in float32)",
+        ),
+        (
+            {"backoff_factor": 0.99999999},
+            "DynamicLossScale(backoff_factor=0.99999999): backoff_factor must be None or in "
+            "the open interval (0, 1) (it rounds to 1.0 in float32)",
+        ),
+        (
+            {"initial_loss_scale": 0.1, "min_loss_scale": 0.2},
+            "DynamicLossScale(initial_loss_scale=0.1): initial_loss_scale must be >= "
+            "min_loss_scale (0.20000000298023224) (it rounds to 0.10000000149011612 in float32)",
+        ),
+    ],
+)
+def test_hyperparameters_are_checked_as_the_float32_values_the_update_uses(kwargs, message):
+    with pytest.raises(ValueError, match="in float32") as excinfo:
+        jls.DynamicLossScale(**kwargs)
+    assert str(excinfo.value) == message
+
+
+def test_max_loss_scale_is_stored_as_the_float32_ceiling_the_update_uses():
+    ls = jls.DynamicLossScale(2.0**19, 1, 2.0, max_loss_scale=2.0**20 - 0.01)
+    assert ls.max_loss_scale == 2.0**20
+    assert ls.get_config()["max_loss_scale"] == 2.0**20
+    state, _ = ls.update(ls.init(), {"w": jnp.ones(3)})
+    assert float(ls(state)) == 2.0**20
+    state, _ = ls.update(state, {"w": jnp.ones(3)})
+    assert float(ls(state)) == 2.0**20
+
+
+@dataclasses.dataclass(frozen=True)
+class _BadScaleLossScale(jls.LossScale):
+    """A user loss scale whose `__call__` returns something that is not a float32 scalar."""
+
+    value: object
+
+    def init(self):
+        return ()
+
+    def __call__(self, state):
+        return self.value
+
+    def update(self, state, grads, axis_name=None):
+        return state, jnp.array(True)
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.parametrize("method", ["scale", "unscale"])
+@pytest.mark.parametrize(
+    ("value", "description"),
+    [
+        (2.0, "float (2.0)"),
+        (np.array([2.0, 4.0], np.float32), "ndarray of dtype float32 and shape (2,)"),
+        (np.float16(2.0), "float16 of dtype float16 and shape ()"),
+    ],
+)
+def test_scale_that_is_not_a_float32_scalar_is_refused(method, value, description):
+    ls = _BadScaleLossScale(value)
+    with pytest.raises(TypeError) as excinfo:
+        getattr(ls, method)(ls.init(), {"w": jnp.ones(2)})
+    assert str(excinfo.value) == (
+        f"_BadScaleLossScale.__call__ must return a float32 scalar array, got {description}"
+    )
+
+
+def test_get_of_an_array_gives_the_get_error():
+    with pytest.raises(ValueError, match=r"^get\(identifier=array\(\[1\., 2\.\]\)\): identifier"):
+        jls.get(np.array([1.0, 2.0]))
