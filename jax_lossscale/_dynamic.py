@@ -14,7 +14,15 @@ from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, finite_fla
 
 
 class DynamicLossScaleState(NamedTuple):
-    """State of a `DynamicLossScale`: three scalar arrays."""
+    """State of a `DynamicLossScale`: three scalar arrays.
+
+    Example:
+      >>> import jax_lossscale as jls
+      >>> jls.DynamicLossScale(hysteresis=2).init()
+      DynamicLossScaleState(loss_scale=Array(32768., dtype=float32),
+                            good_steps=Array(0, dtype=int32),
+                            overflows_until_backoff=Array(2, dtype=int32))
+    """
 
     loss_scale: jax.Array  # float32
     good_steps: jax.Array  # int32: consecutive finite steps since the counter last reset

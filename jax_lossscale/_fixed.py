@@ -12,7 +12,13 @@ from jax_lossscale._tree import AxisName, PyTree, check_array_leaves
 
 
 class FixedLossScaleState(NamedTuple):
-    """State of a `FixedLossScale`."""
+    """State of a `FixedLossScale`: the scale as a float32 scalar array.
+
+    Example:
+      >>> import jax_lossscale as jls
+      >>> jls.FixedLossScale(8.0).init()
+      FixedLossScaleState(loss_scale=Array(8., dtype=float32))
+    """
 
     loss_scale: jax.Array  # float32 scalar
 
