@@ -5,6 +5,11 @@ from jax_lossscale._dynamic import DynamicLossScale as DynamicLossScale
 from jax_lossscale._dynamic import DynamicLossScaleState as DynamicLossScaleState
 from jax_lossscale._fixed import FixedLossScale as FixedLossScale
 from jax_lossscale._fixed import FixedLossScaleState as FixedLossScaleState
+from jax_lossscale._loss_scaled import LossScaledState as LossScaledState
+from jax_lossscale._loss_scaled import LossScaleStats as LossScaleStats
+from jax_lossscale._loss_scaled import get_loss_scale as get_loss_scale
+from jax_lossscale._loss_scaled import get_loss_scale_stats as get_loss_scale_stats
+from jax_lossscale._loss_scaled import loss_scaled as loss_scaled
 from jax_lossscale._serialization import deserialize as deserialize
 from jax_lossscale._serialization import get as get
 from jax_lossscale._serialization import register as register
@@ -17,9 +22,14 @@ __all__ = [
     "FixedLossScale",
     "FixedLossScaleState",
     "LossScale",
+    "LossScaleStats",
+    "LossScaledState",
     "all_finite",
     "deserialize",
     "get",
+    "get_loss_scale",
+    "get_loss_scale_stats",
+    "loss_scaled",
     "register",
     "serialize",
 ]

@@ -23,7 +23,7 @@ def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
         if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
             raise TypeError(
                 f"{caller}: {arg_name} leaf at {_path_name(path)} has type {type(leaf).__name__} "
-                f"({_short_repr(leaf)}); every leaf must be a JAX or NumPy array (or None)"
+                f"({short_repr(leaf)}); every leaf must be a JAX or NumPy array (or None)"
             )
         dtype = leaf.dtype
         if dtype != jax.dtypes.float0 and not (
@@ -108,6 +108,6 @@ def _path_name(path: tuple) -> str:
     return jax.tree_util.keystr(path) if path else "<root>"
 
 
-def _short_repr(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,267 @@
+"""`loss_scaled`: the optax wrapper that unscales, checks, skips and adjusts the scale."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_lossscale._base import LossScale
+from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, is_floating, short_repr
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class LossScaleStats(NamedTuple):
+    """What `loss_scaled` records for logging; read it with `get_loss_scale_stats`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=8.0))
+      >>> opt_state = tx.init({"w": jnp.zeros(2)})
+      >>> jls.get_loss_scale_stats(opt_state)
+      LossScaleStats(loss_scale=Array(8., dtype=float32),
+                     skipped_steps=Array(0, dtype=int32),
+                     last_step_applied=Array(True, dtype=bool))
+    """
+
+    loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
+    skipped_steps: jax.Array  # int32: steps skipped so far, saturating at 2**31 - 1
+    last_step_applied: jax.Array  # bool: true before the first step
+
+
+class LossScaledState(NamedTuple):
+    """State of a `loss_scaled` transformation.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(4.0))
+      >>> tx.init({"w": jnp.zeros(2)})
+      LossScaledState(inner_state=(EmptyState(), EmptyState()),
+                      loss_scale_state=FixedLossScaleState(loss_scale=Array(4., dtype=float32)),
+                      stats=LossScaleStats(loss_scale=Array(4., dtype=float32),
+                                           skipped_steps=Array(0, dtype=int32),
+                                           last_step_applied=Array(True, dtype=bool)))
+    """
+
+    inner_state: optax.OptState
+    loss_scale_state: PyTree
+    stats: LossScaleStats
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    axis_name: AxisName | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that it takes the gradients of a scaled loss.
+
+    Each `update` receives the gradients of the loss multiplied by the current
+    scale (`get_loss_scale(opt_state)`) and does, in this order:
+
+    1. unscale: divide the gradients by the scale (`loss_scale.unscale`);
+    2. check: are all the unscaled gradients finite? (combined over `axis_name`);
+    3. adjust: advance the loss scale's state (`loss_scale.update`);
+    4. if finite, return `inner.update(unscaled_grads, inner_state, params, ...)`;
+       if not, skip: return updates of negative zeros, which leave
+       `optax.apply_updates(params, updates)` bit-identical to `params`, and the
+       inner state unchanged, so schedules inside `inner` do not advance.
+
+    Put everything that should see the true gradients, gradient clipping and
+    `optax.MultiSteps` included, inside `inner`. `optax.MultiSteps(loss_scaled(...))`
+    is a trap: one overflowing microbatch leaves NaN in MultiSteps' accumulator.
+
+    Args:
+      inner: the optax transformation to apply to the unscaled gradients, e.g.
+        `optax.adam(1e-3)`, or an `optax.MultiSteps` for gradient accumulation.
+      loss_scale: a `LossScale`, e.g. `DynamicLossScale()`.
+      axis_name: inside `pmap` or `shard_map` with per-device gradients, the axis
+        over which devices agree on skipping. Not needed under SPMD `jit`.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.5), jls.DynamicLossScale(initial_loss_scale=4.0))
+      >>> params = {"w": jnp.array([1.0, 2.0])}
+      >>> opt_state = tx.init(params)
+      >>> scaled_grads = jax.grad(lambda p: jnp.sum(p["w"]) * jls.get_loss_scale(opt_state))(params)
+      >>> updates, opt_state = tx.update(scaled_grads, opt_state, params)
+      >>> optax.apply_updates(params, updates)
+      {'w': Array([0.5, 1.5], dtype=float32)}
+      >>> updates, opt_state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, opt_state, params)
+      >>> optax.apply_updates(params, updates), jls.get_loss_scale(opt_state)
+      ({'w': Array([1., 2.], dtype=float32)}, Array(2., dtype=float32))
+    """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        hint = "; call it first, e.g. optax.adam(1e-3)" if callable(inner) else ""
+        raise TypeError(
+            f"loss_scaled(inner={short_repr(inner)}): inner must be an optax "
+            f"GradientTransformation, got {type(inner).__name__}{hint}"
+        )
+    if not isinstance(loss_scale, LossScale):
+        hint = "; instantiate it first" if isinstance(loss_scale, type) else ""
+        raise TypeError(
+            f"loss_scaled(loss_scale={short_repr(loss_scale)}): loss_scale must be a "
+            f"jax_lossscale.LossScale such as DynamicLossScale(), got "
+            f"{type(loss_scale).__name__}{hint}"
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> LossScaledState:
+        loss_scale_state = loss_scale.init()
+        return LossScaledState(
+            inner_state=inner.init(params),
+            loss_scale_state=loss_scale_state,
+            stats=LossScaleStats(
+                loss_scale=loss_scale._checked_scale(loss_scale_state),
+                skipped_steps=jnp.zeros([], jnp.int32),
+                last_step_applied=jnp.ones([], jnp.bool_),
+            ),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LossScaledState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScaledState]:
+        _check_wrapper_state(state)
+        check_array_leaves(updates, arg_name="updates", caller="loss_scaled.update")
+        scaled_grads = updates
+
+        grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
+        loss_scale_state, finite = loss_scale.update(state.loss_scale_state, grads, axis_name)
+
+        # Both branches unscale on their own, so that XLA can fuse the division into
+        # the inner update instead of keeping the unscaled gradients in memory.
+        def apply_inner():
+            grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        def skip_inner():
+            updates_shape, _ = jax.eval_shape(apply_inner)
+            return jax.tree.map(_negative_zeros, updates_shape), state.inner_state
+
+        new_updates, inner_state = jax.lax.cond(finite, apply_inner, skip_inner)
+
+        skipped = jnp.logical_not(finite)
+        stats = LossScaleStats(
+            loss_scale=loss_scale._checked_scale(loss_scale_state),
+            skipped_steps=_saturating_increment(state.stats.skipped_steps, skipped),
+            last_step_applied=finite,
+        )
+        return new_updates, LossScaledState(inner_state, loss_scale_state, stats)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
+    """Returns the current loss scale held in an optax state built by `loss_scaled`.
+
+    The `LossScaledState` may sit anywhere in `opt_state`: inside `optax.chain`,
+    `optax.inject_hyperparams`, `optax.MultiSteps` or any other nesting. Multiply
+    the loss by this scale before differentiating.
+
+    Raises:
+      LookupError: if `opt_state` holds no `LossScaledState`.
+      ValueError: if it holds more than one; pass the part that holds the one you mean.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = optax.chain(
+      ...     optax.clip(1.0), jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale())
+      ... )
+      >>> jls.get_loss_scale(tx.init({"w": jnp.zeros(3)}))
+      Array(32768., dtype=float32)
+    """
+    return _find_state(opt_state, "get_loss_scale").stats.loss_scale
+
+
+def get_loss_scale_stats(opt_state: optax.OptState) -> LossScaleStats:
+    """Returns the `LossScaleStats` of the `loss_scaled` state inside `opt_state`.
+
+    The fields are the current scale, the number of steps skipped so far and
+    whether the last step was applied: scalar arrays, ready to log (use
+    `._asdict()` for a dict). The state is found as by `get_loss_scale`.
+
+    Raises:
+      LookupError: if `opt_state` holds no `LossScaledState`.
+      ValueError: if it holds more than one.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
+      >>> params = {"w": jnp.zeros(2)}
+      >>> opt_state = tx.init(params)
+      >>> _, opt_state = tx.update({"w": jnp.array([jnp.nan, 0.0])}, opt_state, params)
+      >>> stats = jls.get_loss_scale_stats(opt_state)
+      >>> int(stats.skipped_steps), bool(stats.last_step_applied)
+      (1, False)
+    """
+    return _find_state(opt_state, "get_loss_scale_stats").stats
+
+
+def _find_state(opt_state: optax.OptState, caller: str) -> LossScaledState:
+    def is_wrapper_state(node: Any) -> bool:
+        return isinstance(node, LossScaledState)
+
+    nodes = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_wrapper_state)[0]
+    found = [(path, node) for path, node in nodes if is_wrapper_state(node)]
+    if not found:
+        raise LookupError(
+            f"{caller}: opt_state ({type(opt_state).__name__}) holds no LossScaledState; "
+            "build the optimizer with jax_lossscale.loss_scaled(inner, loss_scale)"
+        )
+    if len(found) > 1:
+        paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
+        raise ValueError(
+            f"{caller}: opt_state holds {len(found)} LossScaledStates (at {paths}); "
+            "pass the part of the state that holds the one you mean"
+        )
+    return found[0][1]
+
+
+def _check_wrapper_state(state: Any) -> None:
+    if not isinstance(state, LossScaledState):
+        raise TypeError(
+            "loss_scaled.update: state must be the LossScaledState returned by init(), "
+            f"got {type(state).__name__}"
+        )
+    expected = {"loss_scale": jnp.float32, "skipped_steps": jnp.int32, "last_step_applied": bool}
+    for field, value in zip(state.stats._fields, state.stats, strict=True):
+        dtype = np.dtype(expected[field])
+        if (
+            not isinstance(value, jax.Array | np.ndarray | np.generic)
+            or value.shape != ()
+            or value.dtype != dtype
+        ):
+            raise TypeError(
+                f"loss_scaled.update: state.stats.{field} must be a {dtype} scalar array, "
+                f"got {short_repr(value)}; build states with init()"
+            )
+
+
+def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    # -0.0 is the additive identity for every float, +0.0 and -0.0 included.
+    fill = -0.0 if is_floating(shape) else 0
+    return jnp.full(shape.shape, fill, shape.dtype)
+
+
+def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:
+    return count + (increment & (count < _INT32_MAX)).astype(jnp.int32)
