@@ -111,11 +111,13 @@ def loss_scaled(
             f"GradientTransformation, got {type(inner).__name__}{hint}"
         )
     if not isinstance(loss_scale, LossScale):
-        hint = "; instantiate it first" if isinstance(loss_scale, type) else ""
+        if isinstance(loss_scale, type):
+            received = f"the class {loss_scale.__name__}; instantiate it first"
+        else:
+            received = type(loss_scale).__name__
         raise TypeError(
             f"loss_scaled(loss_scale={short_repr(loss_scale)}): loss_scale must be a "
-            f"jax_lossscale.LossScale such as DynamicLossScale(), got "
-            f"{type(loss_scale).__name__}{hint}"
+            f"jax_lossscale.LossScale such as DynamicLossScale(), got {received}"
         )
     inner = optax.with_extra_args_support(inner)
 

@@ -1,0 +1,415 @@
+"""Checkpoints with orbax: save, restore onto `jax.eval_shape` targets, resume bit-identically.
+
+Every run below trains on the same deterministic sequence of per-step inputs, some of which
+hold inf or NaN, with a `DynamicLossScale(2**10, increment_period=4, hysteresis=3)`.
+"""
+
+import json
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_lossscale as jls
+
+STEPS = 16
+W_SHAPE = (16, 8)
+B_SHAPE = (8,)
+NON_FINITE = {6: ("w", (0, 0), np.inf), 8: ("b", (3,), np.nan), 9: ("w", (5, 2), -np.inf)}
+NON_FINITE[14] = ("b", (0,), np.inf)
+
+# Steps 0-3 finite (growth at 3), 6 overflows (hysteresis 3 -> 2, no backoff), 8 overflows
+# (2 -> 1), 9 overflows (backoff), 10-13 finite (growth at 13, tolerance refilled), 14 overflows.
+EXPECTED_SCALES = [1024.0] * 3 + [2048.0] * 6 + [1024.0] * 4 + [2048.0] * 3
+
+# Step after which the run is saved -> (scale, good_steps, overflows_until_backoff,
+# skipped_steps, last_step_applied) at that point.
+SAVE_POINTS = {
+    "mid_good_steps": (5, (2048.0, 2, 3, 0, True)),
+    "after_skip_mid_hysteresis": (6, (2048.0, 0, 2, 1, False)),
+    "finite_step_mid_hysteresis": (7, (2048.0, 1, 2, 1, True)),
+    "after_skip_with_backoff": (9, (1024.0, 0, 1, 3, False)),
+    "mid_good_steps_after_backoff": (11, (1024.0, 2, 1, 3, True)),
+}
+
+
+def _loss_scale() -> jls.DynamicLossScale:
+    return jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=4, hysteresis=3)
+
+
+def _adam(ls: jls.LossScale) -> optax.GradientTransformation:
+    return jls.loss_scaled(optax.adam(1e-2), ls)
+
+
+def _chained_adamw_with_schedule(ls: jls.LossScale) -> optax.GradientTransformation:
+    schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-2))
+    return optax.chain(optax.identity(), jls.loss_scaled(inner, ls))
+
+
+MAKE_TX = {"adam": _adam, "chain_clip_adamw_schedule": _chained_adamw_with_schedule}
+
+
+def _initial_params() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    return {
+        "w": jnp.asarray(rng.normal(size=W_SHAPE), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=B_SHAPE), jnp.float32),
+    }
+
+
+def _inputs() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    xs = []
+    for step in range(STEPS):
+        x = {
+            "w": rng.normal(size=W_SHAPE).astype(np.float32),
+            "b": rng.normal(size=B_SHAPE).astype(np.float32),
+        }
+        if step in NON_FINITE:
+            name, index, value = NON_FINITE[step]
+            x[name][index] = value
+        xs.append(x)
+    return xs
+
+
+XS = _inputs()
+
+
+def _loss(params, x):
+    sq = jnp.sum(params["w"] ** 2) + jnp.sum(params["b"] ** 2)
+    return jnp.sum(params["w"] * x["w"]) + jnp.sum(params["b"] * x["b"]) + 0.5 * sq
+
+
+def _jitted_step(tx: optax.GradientTransformation) -> tuple[Callable, list]:
+    """A jitted train step, and a list that grows by one each time the step is traced."""
+    traces = []
+
+    def step(params, opt_state, x):
+        traces.append(None)
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: _loss(p, x) * scale)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(step), traces
+
+
+def _run(step, params, opt_state, steps, on_step=None):
+    """Runs `steps`; returns the final params and state, and the scale after each step."""
+    scales = []
+    for t in steps:
+        params, opt_state = step(params, opt_state, XS[t])
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        if on_step is not None:
+            on_step(t, params, opt_state)
+    return params, opt_state, scales
+
+
+def _assert_bitwise_equal(actual, expected):
+    chex.assert_trees_all_equal(actual, expected, strict=True)
+    bits = jax.tree.map(lambda x: np.asarray(x).tobytes(), (actual, expected))
+    assert bits[0] == bits[1]
+
+
+def _wrapper_state(opt_state) -> jls.LossScaledState:
+    (found,) = [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, jls.LossScaledState))
+        if isinstance(node, jls.LossScaledState)
+    ]
+    return found
+
+
+def _assert_typed_like_init(opt_state):
+    """The restored wrapper state has the library's NamedTuples and exact, strong dtypes."""
+    state = _wrapper_state(opt_state)
+    assert type(state) is jls.LossScaledState
+    assert type(state.loss_scale_state) is jls.DynamicLossScaleState
+    assert type(state.stats) is jls.LossScaleStats
+    expected_dtypes = (
+        jls.DynamicLossScaleState(jnp.float32, jnp.int32, jnp.int32),
+        jls.LossScaleStats(jnp.float32, jnp.int32, jnp.bool_),
+    )
+    for leaf, dtype in zip(
+        jax.tree.leaves((state.loss_scale_state, state.stats)),
+        jax.tree.leaves(expected_dtypes),
+        strict=True,
+    ):
+        assert isinstance(leaf, jax.Array)
+        assert leaf.shape == ()
+        assert leaf.dtype == dtype
+        assert not leaf.weak_type
+    for leaf in jax.tree.leaves(opt_state):
+        assert isinstance(leaf, jax.Array)
+        assert not leaf.weak_type
+
+
+def _assert_save_point(opt_state, expected):
+    scale, good_steps, overflows_until_backoff, skipped_steps, last_step_applied = expected
+    state = _wrapper_state(opt_state)
+    chex.assert_trees_all_equal(
+        (state.loss_scale_state, state.stats),
+        (
+            jls.DynamicLossScaleState(
+                np.float32(scale), np.int32(good_steps), np.int32(overflows_until_backoff)
+            ),
+            jls.LossScaleStats(
+                np.float32(scale), np.int32(skipped_steps), np.bool_(last_step_applied)
+            ),
+        ),
+        strict=True,
+    )
+
+
+def _abstract_checkpoint(tx, params):
+    return {
+        "params": jax.eval_shape(lambda: params),
+        "opt_state": jax.eval_shape(tx.init, params),
+    }
+
+
+RESUME_CASES = [("adam", name) for name in SAVE_POINTS] + [
+    ("chain_clip_adamw_schedule", "mid_good_steps"),
+    ("chain_clip_adamw_schedule", "after_skip_with_backoff"),
+]
+
+
+@pytest.mark.parametrize(
+    ("make_tx", "save_point"),
+    [(MAKE_TX[tx], SAVE_POINTS[point]) for tx, point in RESUME_CASES],
+    ids=[f"{tx}-{point}" for tx, point in RESUME_CASES],
+)
+def test_standard_checkpointer_resume_is_bit_identical(tmp_path, make_tx, save_point):
+    save_after, expected_at_save = save_point
+    tx = make_tx(_loss_scale())
+    step, traces = _jitted_step(tx)
+    params = _initial_params()
+    path = tmp_path / "checkpoint"
+    saved = {}
+
+    with ocp.StandardCheckpointer() as checkpointer:
+
+        def save(t, params, opt_state):
+            if t == save_after:
+                saved.update(params=params, opt_state=opt_state)
+                checkpointer.save(path, {"params": params, "opt_state": opt_state})
+
+        final_params, final_state, scales = _run(
+            step, params, tx.init(params), range(STEPS), on_step=save
+        )
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(path, _abstract_checkpoint(tx, params))
+
+    assert scales == EXPECTED_SCALES
+    _assert_save_point(saved["opt_state"], expected_at_save)
+    _assert_bitwise_equal(restored, saved)
+    _assert_typed_like_init(restored["opt_state"])
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(final_state)
+
+    resumed_params, resumed_state, resumed_scales = _run(
+        step, restored["params"], restored["opt_state"], range(save_after + 1, STEPS)
+    )
+    assert resumed_scales == EXPECTED_SCALES[save_after + 1 :]
+    _assert_bitwise_equal(resumed_params, final_params)
+    _assert_bitwise_equal(resumed_state, final_state)
+    assert len(traces) == 1  # the restored state hits the step compiled for the original
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    [
+        jls.DynamicLossScale(initial_loss_scale=64.0, increment_period=3, hysteresis=3),
+        jls.FixedLossScale(64.0),
+    ],
+    ids=["dynamic", "fixed"],
+)
+def test_loss_scale_state_restores_onto_eval_shape_of_init(tmp_path, jit_or_eager, loss_scale):
+    finite = {"w": jnp.ones(3)}
+    overflow = {"w": jnp.array([1.0, jnp.nan, 0.0])}
+    state = loss_scale.init()
+    for grads in (finite, overflow):
+        state, _ = loss_scale.update(state, grads)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ls", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ls", jax.eval_shape(loss_scale.init))
+
+    assert type(restored) is type(state)
+    _assert_bitwise_equal(restored, state)
+    for leaf in jax.tree.leaves(restored):
+        assert not leaf.weak_type
+    if isinstance(loss_scale, jls.DynamicLossScale):
+        # One overflow counted since init, the hysteresis window not yet spent.
+        chex.assert_trees_all_equal(
+            restored,
+            jls.DynamicLossScaleState(np.float32(64.0), np.int32(0), np.int32(2)),
+            strict=True,
+        )
+    for grads in (overflow, overflow, finite):
+        expected = jit_or_eager(loss_scale.update, state, grads)
+        actual = jit_or_eager(loss_scale.update, restored, grads)
+        _assert_bitwise_equal(actual, expected)
+        state, restored = expected[0], actual[0]
+
+
+def test_hyperparameters_as_json_beside_checkpoint_rebuild_the_run(tmp_path):
+    ls = jls.DynamicLossScale(
+        initial_loss_scale=2.0**10,
+        increment_period=4,
+        multiplier=2.0,
+        backoff_factor=0.5,
+        min_loss_scale=2.0,
+        max_loss_scale=2.0**20,
+        hysteresis=3,
+    )
+    tx = _chained_adamw_with_schedule(ls)
+    step, _ = _jitted_step(tx)
+    params = _initial_params()
+    save_after = SAVE_POINTS["after_skip_mid_hysteresis"][0]
+
+    with ocp.StandardCheckpointer() as checkpointer:
+
+        def save(t, params, opt_state):
+            if t == save_after:
+                checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+                with open(tmp_path / "loss_scale.json", "w") as f:
+                    json.dump(jls.serialize(ls), f)
+
+        final_params, final_state, scales = _run(
+            step, params, tx.init(params), range(STEPS), on_step=save
+        )
+        checkpointer.wait_until_finished()
+
+        with open(tmp_path / "loss_scale.json") as f:
+            rebuilt = jls.deserialize(json.load(f))
+        assert rebuilt is not ls
+        assert rebuilt == ls
+        assert hash(rebuilt) == hash(ls)
+        assert rebuilt.get_config() == ls.get_config()
+
+        rebuilt_tx = _chained_adamw_with_schedule(rebuilt)
+        restored = checkpointer.restore(tmp_path / "ckpt", _abstract_checkpoint(rebuilt_tx, params))
+
+    assert scales == EXPECTED_SCALES
+    _assert_typed_like_init(restored["opt_state"])
+    rebuilt_step, _ = _jitted_step(rebuilt_tx)
+    resumed_params, resumed_state, resumed_scales = _run(
+        rebuilt_step, restored["params"], restored["opt_state"], range(save_after + 1, STEPS)
+    )
+    assert resumed_scales == EXPECTED_SCALES[save_after + 1 :]
+    _assert_bitwise_equal(resumed_params, final_params)
+    _assert_bitwise_equal(resumed_state, final_state)
+
+
+def test_checkpoint_manager_resumes_from_latest_step_after_interruption(tmp_path):
+    ls = _loss_scale()
+    tx = _adam(ls)
+    step, traces = _jitted_step(tx)
+    params = _initial_params()
+    final_params, final_state, scales = _run(step, params, tx.init(params), range(STEPS))
+    assert scales == EXPECTED_SCALES
+
+    options = ocp.CheckpointManagerOptions(save_interval_steps=3, max_to_keep=2)
+    with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+
+        def save(t, params, opt_state):
+            state = ocp.args.StandardSave({"params": params, "opt_state": opt_state})
+            config = ocp.args.JsonSave(jls.serialize(ls))
+            manager.save(t, args=ocp.args.Composite(state=state, loss_scale=config))
+
+        # Interrupted after step 10; step 9 (a skip that backed off the scale) is the latest save.
+        _run(step, params, tx.init(params), range(11), on_step=save)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [6, 9]
+
+    with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+        latest = manager.latest_step()
+        assert latest == 9
+        config = manager.restore(latest, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore()))
+        rebuilt = jls.deserialize(config.loss_scale)
+        assert rebuilt == ls
+        rebuilt_tx = _adam(rebuilt)
+        target = ocp.args.StandardRestore(_abstract_checkpoint(rebuilt_tx, params))
+        restored = manager.restore(latest, args=ocp.args.Composite(state=target)).state
+
+    _assert_typed_like_init(restored["opt_state"])
+    _assert_save_point(restored["opt_state"], SAVE_POINTS["after_skip_with_backoff"][1])
+    resumed_params, resumed_state, resumed_scales = _run(
+        step, restored["params"], restored["opt_state"], range(latest + 1, STEPS)
+    )
+    assert resumed_scales == EXPECTED_SCALES[latest + 1 :]
+    _assert_bitwise_equal(resumed_params, final_params)
+    _assert_bitwise_equal(resumed_state, final_state)
+    assert len(traces) == 1
+
+
+def _mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+MESH8 = _mesh(8)
+
+# How each layout places an array of a given shape: w, b (and adam's moments), scalars.
+LAYOUTS = {
+    "rows_on_8": {W_SHAPE: P("data"), B_SHAPE: P("data"), (): P()},
+    "replicated_on_8": {W_SHAPE: P(), B_SHAPE: P(), (): P()},
+    "columns_on_8": {W_SHAPE: P(None, "data"), B_SHAPE: P(), (): P()},
+    "rows_on_4": {W_SHAPE: P("data"), B_SHAPE: P("data"), (): P()},
+}
+
+
+def _layout_sharding(layout: str, shape: tuple[int, ...]) -> NamedSharding:
+    mesh = _mesh(4) if layout.endswith("_on_4") else MESH8
+    return NamedSharding(mesh, LAYOUTS[layout][shape])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_state_restores_with_requested_shardings(tmp_path, layout):
+    tx = _adam(_loss_scale())
+    step, _ = _jitted_step(tx)
+
+    def place(tree, layout):
+        return jax.tree.map(lambda x: jax.device_put(x, _layout_sharding(layout, x.shape)), tree)
+
+    params = place(_initial_params(), "rows_on_8")
+    opt_state = place(tx.init(params), "rows_on_8")
+    save_after = SAVE_POINTS["after_skip_mid_hysteresis"][0]
+    params, opt_state, _ = _run(step, params, opt_state, range(save_after + 1))
+    saved = {"params": params, "opt_state": opt_state}
+    assert saved["params"]["w"].sharding == NamedSharding(MESH8, P("data"))
+    assert (
+        _wrapper_state(opt_state).inner_state[0].mu["w"].sharding == saved["params"]["w"].sharding
+    )
+    final_params, final_state, _ = _run(step, params, opt_state, range(save_after + 1, STEPS))
+
+    target = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=_layout_sharding(layout, s.shape)
+        ),
+        _abstract_checkpoint(tx, _initial_params()),
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "sharded", saved)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "sharded", target)
+
+    shardings = jax.tree.map(lambda x: x.sharding, restored)
+    requested = jax.tree.map(lambda s: s.sharding, target)
+    assert shardings == requested
+    _assert_bitwise_equal(restored, saved)
+    _assert_typed_like_init(restored["opt_state"])
+    _assert_save_point(restored["opt_state"], SAVE_POINTS["after_skip_mid_hysteresis"][1])
+
+    resumed_params, resumed_state, _ = _run(
+        step, restored["params"], restored["opt_state"], range(save_after + 1, STEPS)
+    )
+    _assert_bitwise_equal(resumed_params, final_params)
+    _assert_bitwise_equal(resumed_state, final_state)

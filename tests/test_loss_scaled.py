@@ -1,0 +1,705 @@
+"""The optax wrapper `loss_scaled`, `get_loss_scale` and `get_loss_scale_stats` (DESIGN.md 3.5)."""
+
+import re
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+NONFINITE = [jnp.nan, jnp.inf, -jnp.inf]
+HALF_DTYPES = [jnp.float16, jnp.bfloat16]
+UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(tree):
+    """Each leaf as unsigned integers of the same width: NaN and signed zeros compare exactly."""
+
+    def view(leaf):
+        array = np.asarray(leaf)
+        return array.view(UINT_OF_SIZE[array.dtype.itemsize])
+
+    return jax.tree.map(view, tree)
+
+
+def assert_bits_equal(actual, expected):
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    chex.assert_trees_all_equal_shapes(actual, expected)
+    chex.assert_trees_all_equal(bits(actual), bits(expected))
+
+
+def stats_tuple(opt_state) -> tuple[float, int, bool]:
+    stats = jls.get_loss_scale_stats(opt_state)
+    return float(stats.loss_scale), int(stats.skipped_steps), bool(stats.last_step_applied)
+
+
+def scaled(grads, scale):
+    return jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grads)
+
+
+def with_bad_value(grads, bad):
+    return {**grads, "w": grads["w"].at[1].set(bad)}
+
+
+# --- 1. data flow ---------------------------------------------------------------------------
+
+
+def test_finite_steps_equal_inner_on_true_grads_and_scale_trajectory(jit_or_eager):
+    inner = optax.adam(0.1)
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=4.0, increment_period=2))
+    params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array(0.25)}
+    true_grads = {"w": jnp.array([0.1, -2.5, 3e-3]), "b": jnp.array(-7.0)}
+    opt_state = tx.init(params)
+    ref_state = inner.init(params)
+    chex.assert_trees_all_equal(opt_state.inner_state, ref_state)
+    assert stats_tuple(opt_state) == (4.0, 0, True)
+
+    steps = "TTFTTTTFF"
+    expected_scales = [4.0, 8.0, 4.0, 4.0, 8.0, 8.0, 16.0, 8.0, 4.0]
+    expected_skipped = [0, 0, 1, 1, 1, 1, 1, 2, 3]
+    bad_values = iter(NONFINITE)
+    for index, flag in enumerate(steps):
+        scale = jls.get_loss_scale(opt_state)
+        grads = scaled(true_grads, scale)
+        if flag == "F":
+            grads = with_bad_value(grads, next(bad_values))
+        before = opt_state
+        updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+        if flag == "T":
+            ref_updates, ref_state = jit_or_eager(inner.update, true_grads, ref_state, params)
+            assert_bits_equal(updates, ref_updates)
+            assert_bits_equal(opt_state.inner_state, ref_state)
+            params = optax.apply_updates(params, updates)
+        else:
+            assert_bits_equal(opt_state.inner_state, before.inner_state)
+            assert_bits_equal(optax.apply_updates(params, updates), params)
+        assert stats_tuple(opt_state) == (
+            expected_scales[index],
+            expected_skipped[index],
+            flag == "T",
+        ), index
+        chex.assert_trees_all_equal(
+            opt_state.stats.loss_scale, opt_state.loss_scale_state.loss_scale
+        )
+    # Six finite steps reached the inner optimizer, three were skipped.
+    assert int(opt_state.inner_state[0].count) == 6
+
+
+def test_fixed_loss_scale_never_skips(jit_or_eager):
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.FixedLossScale(8.0))
+    params = {"w": jnp.array([1.0, 2.0, 3.0])}
+    opt_state = tx.init(params)
+    grads = {"w": jnp.array([8.0, 16.0, 4.0])}
+    updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, -2.0, -0.5])})
+    assert stats_tuple(opt_state) == (8.0, 0, True)
+    for bad in NONFINITE:
+        bad_grads = {"w": jnp.array([8.0, bad, 4.0])}
+        updates, opt_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
+        # The non-finite gradient reaches sgd: the update is -bad, not a skip.
+        chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, -bad, -0.5])})
+        assert bool(jnp.isnan(bad)) or float(updates["w"][1]) == -bad
+        assert stats_tuple(opt_state) == (8.0, 0, True)
+
+
+# --- 2. skipped steps -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, *HALF_DTYPES])
+def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, dtype):
+    inner = optax.adam(optax.linear_schedule(0.1, 0.0, transition_steps=10))
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=64.0))
+    special = [0.0, -0.0, jnp.nan, jnp.inf, -jnp.inf, 1.5, -2.0]
+    params = {"w": jnp.array(special, dtype), "b": jnp.array(-0.0, dtype)}
+    grads = {"w": jnp.full(7, 64.0, dtype), "b": jnp.array(-32.0, dtype)}
+    _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    assert int(opt_state.inner_state[0].count) == 1
+    assert int(opt_state.inner_state[1].count) == 1
+
+    expected_scale = 64.0
+    for skipped, bad in enumerate(NONFINITE, start=1):
+        bad_grads = {"w": grads["w"].at[3].set(bad), "b": grads["b"]}
+        updates, new_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
+        expected_scale /= 2
+        assert stats_tuple(new_state) == (expected_scale, skipped, False)
+        negative_zero = {"w": jnp.full(7, -0.0, dtype), "b": jnp.array(-0.0, dtype)}
+        assert_bits_equal(updates, negative_zero)
+        assert_bits_equal(optax.apply_updates(params, updates), params)
+        assert_bits_equal(new_state.inner_state, opt_state.inner_state)
+        # The schedule's count stays at 1 after every skip.
+        assert int(new_state.inner_state[1].count) == 1
+        opt_state = new_state
+
+
+@pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "+inf", "-inf"])
+def test_each_nonfinite_value_triggers_a_skip(jit_or_eager, bad):
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=16.0))
+    params = {"a": jnp.ones(2), "b": jnp.ones((2, 2), jnp.bfloat16)}
+    grads = {"a": jnp.ones(2), "b": jnp.ones((2, 2), jnp.bfloat16).at[1, 0].set(bad)}
+    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    assert stats_tuple(opt_state) == (8.0, 1, False)
+    assert_bits_equal(optax.apply_updates(params, updates), params)
+
+
+# --- 3. composition -------------------------------------------------------------------------
+
+
+def test_inside_chain_first(jit_or_eager):
+    ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=1)
+    tx = optax.chain(jls.loss_scaled(optax.sgd(1.0), ls), optax.scale(0.5))
+    params = {"w": jnp.array([1.0, -0.0])}
+    opt_state = tx.init(params)
+    assert jls.get_loss_scale(opt_state) == 8.0
+    updates, opt_state = jit_or_eager(tx.update, {"w": jnp.array([8.0, 16.0])}, opt_state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.array([-0.5, -1.0])})
+    assert stats_tuple(opt_state) == (16.0, 0, True)
+    bad = {"w": jnp.array([jnp.nan, 16.0])}
+    updates, opt_state = jit_or_eager(tx.update, bad, opt_state, params)
+    assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert stats_tuple(opt_state) == (8.0, 1, False)
+    assert stats_tuple(opt_state[0]) == (8.0, 1, False)
+
+
+def test_inside_chain_last(jit_or_eager):
+    ls = jls.DynamicLossScale(initial_loss_scale=4.0, increment_period=1)
+    # A linear transformation before the wrapper commutes with the scale.
+    tx = optax.chain(optax.scale(2.0), jls.loss_scaled(optax.sgd(0.5), ls))
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = tx.init(params)
+    assert jls.get_loss_scale(opt_state) == 4.0
+    updates, opt_state = jit_or_eager(tx.update, {"w": jnp.array([4.0, -12.0])}, opt_state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, 3.0])})
+    assert stats_tuple(opt_state) == (8.0, 0, True)
+    updates, opt_state = jit_or_eager(
+        tx.update, {"w": jnp.array([jnp.inf, 1.0])}, opt_state, params
+    )
+    assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert stats_tuple(opt_state) == (4.0, 1, False)
+    assert stats_tuple(opt_state[1]) == (4.0, 1, False)
+
+
+def run_with_learning_rates(tx, set_lr, params, grads, scale, learning_rates, call):
+    """Runs `tx` over `grads * scale`, setting the injected learning rate before each step."""
+    opt_state = tx.init(params)
+    all_updates = []
+    for lr in learning_rates:
+        opt_state = set_lr(opt_state, lr)
+        updates, opt_state = call(tx.update, scaled(grads, scale), opt_state, params)
+        all_updates.append(updates)
+    return all_updates, opt_state
+
+
+def test_built_inside_inject_hyperparams(jit_or_eager):
+    ls = jls.FixedLossScale(16.0)
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: jls.loss_scaled(optax.adam(learning_rate), ls)
+    )(learning_rate=0.1)
+    # The same injection without the wrapper (b1, b2 and eps stay Python floats, as above).
+    reference = optax.inject_hyperparams(lambda learning_rate: optax.adam(learning_rate))(
+        learning_rate=0.1
+    )
+    params = {"w": jnp.array([1.0, 2.0])}
+    grads = {"w": jnp.array([0.5, -0.25])}
+
+    def set_lr(opt_state, lr):
+        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        return opt_state
+
+    learning_rates = [0.1, 0.01, 0.001]
+    updates, opt_state = run_with_learning_rates(
+        tx, set_lr, params, grads, 16.0, learning_rates, jit_or_eager
+    )
+    ref_updates, ref_state = run_with_learning_rates(
+        reference, set_lr, params, grads, 1.0, learning_rates, jit_or_eager
+    )
+    assert_bits_equal(updates, ref_updates)
+    assert_bits_equal(opt_state.inner_state.inner_state, ref_state.inner_state)
+    assert jls.get_loss_scale(opt_state) == 16.0
+    # Adam's steps with a constant gradient are -lr * sign(grad), up to rounding in the
+    # float32 bias correction 1 - 0.999**t.
+    for update, lr in zip(updates, learning_rates, strict=True):
+        chex.assert_trees_all_close(update, {"w": jnp.array([-lr, lr])}, rtol=1e-4)
+
+
+def test_wrapping_inject_hyperparams(jit_or_eager):
+    tx = jls.loss_scaled(
+        optax.inject_hyperparams(optax.adam)(learning_rate=0.1), jls.FixedLossScale(16.0)
+    )
+    reference = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    params = {"w": jnp.array([1.0, 2.0])}
+    grads = {"w": jnp.array([0.5, -0.25])}
+
+    def set_wrapped_lr(opt_state, lr):
+        opt_state.inner_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        return opt_state
+
+    def set_lr(opt_state, lr):
+        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        return opt_state
+
+    learning_rates = [0.1, 0.01, 0.001]
+    updates, opt_state = run_with_learning_rates(
+        tx, set_wrapped_lr, params, grads, 16.0, learning_rates, jit_or_eager
+    )
+    ref_updates, ref_state = run_with_learning_rates(
+        reference, set_lr, params, grads, 1.0, learning_rates, jit_or_eager
+    )
+    assert_bits_equal(updates, ref_updates)
+    assert_bits_equal(opt_state.inner_state, ref_state)
+    for update, lr in zip(updates, learning_rates, strict=True):
+        chex.assert_trees_all_close(update, {"w": jnp.array([-lr, lr])}, rtol=1e-5)
+    # A skip leaves the injected hyperparameters and the inner count alone.
+    tx_dynamic = jls.loss_scaled(
+        optax.inject_hyperparams(optax.adam)(learning_rate=0.1), jls.DynamicLossScale(16.0)
+    )
+    state = tx_dynamic.init(params)
+    state = set_wrapped_lr(state, 0.02)
+    _, skipped_state = jit_or_eager(
+        tx_dynamic.update, {"w": jnp.array([jnp.nan, 1.0])}, state, params
+    )
+    assert_bits_equal(skipped_state.inner_state, state.inner_state)
+    assert float(skipped_state.inner_state.hyperparams["learning_rate"]) == np.float32(0.02)
+
+
+def test_gradient_clipping_inside_sees_true_gradients(jit_or_eager):
+    ls = jls.FixedLossScale(8.0)
+    clip_then_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    params = {"w": jnp.array([1.0, 1.0])}
+    for true_grads, expected in [
+        ({"w": jnp.array([0.3, 0.4])}, [-0.3, -0.4]),  # norm 0.5: not clipped
+        ({"w": jnp.array([3.0, 4.0])}, [-0.6, -0.8]),  # norm 5: clipped to norm 1
+    ]:
+        tx = jls.loss_scaled(clip_then_sgd, ls)
+        updates, _ = jit_or_eager(tx.update, scaled(true_grads, 8.0), tx.init(params), params)
+        ref_updates, _ = jit_or_eager(
+            clip_then_sgd.update, true_grads, clip_then_sgd.init(params), params
+        )
+        assert_bits_equal(updates, ref_updates)
+        chex.assert_trees_all_close(updates, {"w": jnp.array(expected)}, rtol=1e-6)
+
+        # Clipping outside the wrapper clips the scaled gradients (norm 4 and 40): wrong.
+        wrong = optax.chain(optax.clip_by_global_norm(1.0), jls.loss_scaled(optax.sgd(1.0), ls))
+        wrong_updates, _ = jit_or_eager(
+            wrong.update, scaled(true_grads, 8.0), wrong.init(params), params
+        )
+        chex.assert_trees_all_close(wrong_updates, {"w": jnp.array([-0.075, -0.1])}, rtol=1e-6)
+
+
+def test_gradient_accumulation_drops_overflowing_microbatch(jit_or_eager):
+    k = 3
+    ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=100)
+    tx = jls.loss_scaled(optax.MultiSteps(optax.adam(0.1), k), ls)
+    reference = optax.MultiSteps(optax.adam(0.1), k)
+    params = {"w": jnp.array([1.0, -1.0, 0.5])}
+    finite = [jnp.array([0.5, -0.25, 2.0]) * i for i in (1.0, 3.0, -2.0, 0.75, 1.5, -0.5)]
+    # Microbatches: g0, overflow, g1, g2 | g3, g4, overflow, g5
+    plan = [0, None, 1, 2, 3, 4, None, 5]
+    expected_scales = [8.0, 4.0, 4.0, 4.0, 4.0, 4.0, 2.0, 2.0]
+    opt_state = tx.init(params)
+    ref_params, ref_state = params, reference.init(params)
+    for index, microbatch in enumerate(plan):
+        scale = jls.get_loss_scale(opt_state)
+        if microbatch is None:
+            grads = {"w": jnp.array([1.0, jnp.inf, 1.0])}
+        else:
+            grads = {"w": finite[microbatch] * scale}
+        before, params_before = opt_state, params
+        updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if microbatch is None:
+            # Accumulator, mini_step and gradient_step untouched; the scale backs off at once.
+            assert_bits_equal(opt_state.inner_state, before.inner_state)
+            assert_bits_equal(params, params_before)
+        else:
+            ref_updates, ref_state = jit_or_eager(
+                reference.update, {"w": finite[microbatch]}, ref_state, ref_params
+            )
+            ref_params = optax.apply_updates(ref_params, ref_updates)
+            assert_bits_equal(updates, ref_updates)
+            assert_bits_equal(opt_state.inner_state, ref_state)
+        assert float(jls.get_loss_scale(opt_state)) == expected_scales[index], index
+    assert_bits_equal(params, ref_params)
+    assert int(opt_state.inner_state.gradient_step) == 2
+    assert int(opt_state.inner_state.mini_step) == 0
+    assert stats_tuple(opt_state) == (2.0, 2, True)
+    # Both windows applied an update.
+    assert not np.array_equal(np.asarray(params["w"]), np.array([1.0, -1.0, 0.5], np.float32))
+
+
+def test_multisteps_outside_the_wrapper_is_a_trap(jit_or_eager):
+    k = 2
+    ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=100)
+    tx = optax.MultiSteps(jls.loss_scaled(optax.sgd(1.0), ls), k)
+    params = {"w": jnp.array([1.0, -1.0])}
+    opt_state = tx.init(params)
+    assert jls.get_loss_scale(opt_state) == 8.0
+
+    def step(grads, opt_state, params):
+        return tx.update(grads, opt_state, params)
+
+    initial_params = params
+    # Window 0: one overflowing microbatch, then a finite one; then only finite microbatches.
+    windows = [[jnp.inf, 1.0]] + [[1.0, 1.0]] * 4
+    expected_scales = [4.0, 2.0, 1.0, 1.0, 1.0]
+    for window, values in enumerate(windows):
+        for value in values:
+            grads = {"w": jnp.array([value, 0.5]) * jls.get_loss_scale(opt_state)}
+            updates, opt_state = jit_or_eager(step, grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        assert_bits_equal(params, initial_params)
+        # The reset multiplies the accumulator by zero: 0 * inf is NaN, and NaN stays.
+        assert np.isnan(np.asarray(opt_state.acc_grads["w"][0]))
+        assert stats_tuple(opt_state) == (expected_scales[window], window + 1, False)
+
+
+# --- 4. dtypes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("make_inner", [optax.sgd, optax.adam], ids=["sgd", "adam"])
+def test_half_precision_dtypes_kept(jit_or_eager, dtype, make_inner):
+    inner = make_inner(0.125)
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=256.0))
+    params = {"w": jnp.array([1.0, -2.0, 4.0], dtype), "b": jnp.array(0.5, dtype)}
+    init_state = tx.init(params)
+    chex.assert_trees_all_equal_dtypes(init_state.inner_state, inner.init(params))
+    grads = {"w": jnp.array([256.0, -512.0, 128.0], dtype), "b": jnp.array(64.0, dtype)}
+    updates, opt_state = jit_or_eager(tx.update, grads, init_state, params)
+    chex.assert_trees_all_equal_dtypes(updates, params)
+    chex.assert_trees_all_equal_dtypes(opt_state, init_state)
+    ref_updates, ref_state = jit_or_eager(
+        inner.update, scaled(grads, 1 / 256), inner.init(params), params
+    )
+    assert_bits_equal(updates, ref_updates)
+    assert_bits_equal(opt_state.inner_state, ref_state)
+
+    bad = {"w": grads["w"].at[0].set(jnp.inf), "b": grads["b"]}
+    updates, skipped_state = jit_or_eager(tx.update, bad, opt_state, params)
+    chex.assert_trees_all_equal_dtypes(updates, params)
+    chex.assert_trees_all_equal_dtypes(skipped_state, init_state)
+    assert skipped_state.stats.loss_scale.dtype == jnp.float32
+    assert stats_tuple(skipped_state) == (128.0, 1, False)
+
+
+# --- 5. get_loss_scale / get_loss_scale_stats -----------------------------------------------
+
+
+def wrapper(initial: float) -> optax.GradientTransformationExtraArgs:
+    return jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=initial))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda p: wrapper(64.0).init(p),
+        lambda p: optax.chain(optax.clip(1.0), wrapper(64.0), optax.scale(2.0)).init(p),
+        lambda p: optax.inject_hyperparams(
+            lambda learning_rate: jls.loss_scaled(
+                optax.sgd(learning_rate), jls.DynamicLossScale(initial_loss_scale=64.0)
+            )
+        )(learning_rate=0.1).init(p),
+        lambda p: jls.loss_scaled(
+            optax.inject_hyperparams(optax.adam)(learning_rate=0.1), jls.FixedLossScale(64.0)
+        ).init(p),
+        lambda p: optax.MultiSteps(wrapper(64.0), 4).init(p),
+        lambda p: jls.loss_scaled(
+            optax.MultiSteps(optax.sgd(0.1), 4), jls.FixedLossScale(64.0)
+        ).init(p),
+        lambda p: {"opt": (optax.adam(1e-3).init(p), [wrapper(64.0).init(p)]), "step": 3},
+    ],
+    ids=["root", "chain", "inject-outside", "inject-inside", "multisteps", "of-multisteps", "nest"],
+)
+def test_get_loss_scale_finds_the_state(build):
+    opt_state = build({"w": jnp.zeros(3)})
+    scale = jls.get_loss_scale(opt_state)
+    assert scale.dtype == jnp.float32
+    assert scale.shape == ()
+    assert float(scale) == 64.0
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert isinstance(stats, jls.LossScaleStats)
+    assert stats_tuple(opt_state) == (64.0, 0, True)
+    assert stats.skipped_steps.dtype == jnp.int32
+    assert stats.last_step_applied.dtype == jnp.bool_
+
+
+def test_get_loss_scale_reads_the_current_scale():
+    tx = optax.chain(optax.scale(1.0), wrapper(64.0))
+    params = {"w": jnp.zeros(3)}
+    opt_state = tx.init(params)
+    _, opt_state = tx.update({"w": jnp.array([1.0, jnp.nan, 1.0])}, opt_state, params)
+    assert float(jls.get_loss_scale(opt_state)) == 32.0
+    assert jls.get_loss_scale_stats(opt_state)._asdict() == {
+        "loss_scale": 32.0,
+        "skipped_steps": 1,
+        "last_step_applied": False,
+    }
+
+
+@pytest.mark.parametrize("getter", [jls.get_loss_scale, jls.get_loss_scale_stats])
+def test_get_loss_scale_absent(getter):
+    opt_state = optax.adam(1e-3).init({"w": jnp.zeros(3)})
+    message = (
+        f"{getter.__name__}: opt_state (tuple) holds no LossScaledState; "
+        "build the optimizer with jax_lossscale.loss_scaled(inner, loss_scale)"
+    )
+    with pytest.raises(LookupError, match=re.escape(message)):
+        getter(opt_state)
+    with pytest.raises(LookupError, match=r"opt_state \(dict\) holds no LossScaledState"):
+        getter({"a": opt_state})
+
+
+@pytest.mark.parametrize(
+    ("build", "paths"),
+    [
+        (lambda p: optax.chain(wrapper(8.0), wrapper(16.0)).init(p), "[0], [1]"),
+        (
+            lambda p: {"x": wrapper(8.0).init(p), "y": {"z": wrapper(16.0).init(p)}},
+            "['x'], ['y']['z']",
+        ),
+    ],
+    ids=["chain", "dict"],
+)
+@pytest.mark.parametrize("getter", [jls.get_loss_scale, jls.get_loss_scale_stats])
+def test_get_loss_scale_ambiguous(getter, build, paths):
+    opt_state = build({"w": jnp.zeros(3)})
+    message = (
+        f"{getter.__name__}: opt_state holds 2 LossScaledStates (at {paths}); "
+        "pass the part of the state that holds the one you mean"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getter(opt_state)
+
+
+# --- 6. errors ------------------------------------------------------------------------------
+
+
+def test_inner_factory_is_refused():
+    ls = jls.DynamicLossScale()
+    config = ls.get_config()
+    with pytest.raises(
+        TypeError,
+        match=r"^loss_scaled\(inner=<function adam at 0x[0-9a-f]+>\): inner must be an optax "
+        r"GradientTransformation, got function; call it first, e\.g\. optax\.adam\(1e-3\)$",
+    ):
+        jls.loss_scaled(optax.adam, ls)
+    with pytest.raises(TypeError, match=r"inner must be an optax GradientTransformation, got str$"):
+        jls.loss_scaled("adam", ls)
+    assert ls.get_config() == config
+
+
+def test_loss_scale_class_or_number_is_refused():
+    inner = optax.adam(1e-3)
+    with pytest.raises(
+        TypeError,
+        match=r"^loss_scaled\(loss_scale=<class 'jax_lossscale\.[_a-z]+\.DynamicLossScale'>\): "
+        r"loss_scale must be a jax_lossscale\.LossScale such as DynamicLossScale\(\), got the "
+        r"class DynamicLossScale; instantiate it first$",
+    ):
+        jls.loss_scaled(inner, jls.DynamicLossScale)
+    with pytest.raises(
+        TypeError,
+        match=r"^loss_scaled\(loss_scale=128\.0\): loss_scale must be a jax_lossscale\.LossScale "
+        r"such as DynamicLossScale\(\), got float$",
+    ):
+        jls.loss_scaled(inner, 128.0)
+    with pytest.raises(TypeError, match=r"got str$"):
+        jls.loss_scaled(inner, "dynamic")
+
+
+def snapshot(tree):
+    return jax.tree_util.tree_structure(tree), [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_unchanged(tree, before):
+    structure, leaves = snapshot(tree)
+    assert structure == before[0]
+    for leaf, old in zip(leaves, before[1], strict=True):
+        np.testing.assert_array_equal(leaf, old)
+
+
+def test_state_of_the_wrong_kind(jit_or_eager):
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
+    params = {"w": jnp.ones(2)}
+    grads = {"w": jnp.ones(2)}
+    good_state = tx.init(params)
+    cases = [
+        (
+            optax.sgd(0.1).init(params),
+            r"^loss_scaled\.update: state must be the LossScaledState returned by init\(\), "
+            r"got tuple(?:$|\n)",
+        ),
+        (
+            good_state._replace(loss_scale_state=jls.FixedLossScale(2.0).init()),
+            r"^DynamicLossScale: state must be the DynamicLossScaleState returned by "
+            r"DynamicLossScale\.init\(\), got FixedLossScaleState(?:$|\n)",
+        ),
+        (
+            good_state._replace(
+                stats=good_state.stats._replace(skipped_steps=jnp.zeros([], jnp.float32))
+            ),
+            r"^loss_scaled\.update: state\.stats\.skipped_steps must be a int32 scalar array, "
+            r"got .*; build states with init\(\)(?:$|\n)",
+        ),
+    ]
+    # Under jit, JAX appends a note on filtered traceback frames after a newline.
+    for state, message in cases:
+        before = snapshot((grads, state, params))
+        with pytest.raises(TypeError, match=message):
+            jit_or_eager(tx.update, grads, state, params)
+        assert_unchanged((grads, state, params), before)
+
+
+def test_non_array_gradient_leaf_names_the_path():
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
+    params = {"w": jnp.ones(2), "layer": {"b": jnp.ones(1)}}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(2), "layer": {"b": "oops"}}
+    before = snapshot((state, params))
+    with pytest.raises(
+        TypeError,
+        match=r"^loss_scaled\.update: updates leaf at \['layer'\]\['b'\] has type str \('oops'\); "
+        r"every leaf must be a JAX or NumPy array \(or None\)$",
+    ):
+        tx.update(grads, state, params)
+    assert grads == {"w": grads["w"], "layer": {"b": "oops"}}
+    assert_unchanged((state, params), before)
+
+
+# --- 7. extra arguments and params=None -----------------------------------------------------
+
+
+class CountState(NamedTuple):
+    count: jax.Array
+
+
+def scale_by_factor_kwarg() -> optax.GradientTransformationExtraArgs:
+    """Multiplies the updates by the extra argument `factor` and counts its calls."""
+
+    def init_fn(params):
+        del params
+        return CountState(jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, *, factor, **extra_args):
+        del params, extra_args
+        return jax.tree.map(lambda u: u * factor, updates), CountState(state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def test_extra_args_reach_the_inner_transformation(jit_or_eager):
+    tx = jls.loss_scaled(
+        optax.chain(scale_by_factor_kwarg(), optax.scale(-1.0)), jls.DynamicLossScale(4.0)
+    )
+    opt_state = tx.init({"w": jnp.zeros(2)})
+
+    def step(grads, opt_state, factor):
+        return tx.update(grads, opt_state, factor=factor)
+
+    updates, opt_state = jit_or_eager(step, {"w": jnp.array([4.0, -8.0])}, opt_state, 3.0)
+    chex.assert_trees_all_equal(updates, {"w": jnp.array([-3.0, 6.0])})
+    assert int(opt_state.inner_state[0].count) == 1
+    updates, skipped = jit_or_eager(step, {"w": jnp.array([jnp.nan, 1.0])}, opt_state, 5.0)
+    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+    assert_bits_equal(skipped.inner_state, opt_state.inner_state)
+    with pytest.raises(TypeError, match="factor"):
+        tx.update({"w": jnp.ones(2)}, opt_state)
+
+
+def test_reduce_on_plateau_receives_the_loss_value(jit_or_eager):
+    inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(factor=0.5, patience=2))
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(8.0, increment_period=100))
+    params = {"w": jnp.zeros(2)}
+    opt_state = tx.init(params)
+
+    def step(grads, opt_state, params, value):
+        return tx.update(grads, opt_state, params, value=value)
+
+    grads = {"w": jnp.array([8.0, -8.0])}
+    values = [3.0, 3.0, 3.0, 1.0]
+    lr_scales = [1.0, 1.0, 0.5, 0.5]
+    for value, lr_scale in zip(values, lr_scales, strict=True):
+        updates, opt_state = jit_or_eager(step, grads, opt_state, params, value)
+        chex.assert_trees_all_equal(updates, {"w": jnp.array([-lr_scale, lr_scale])})
+    plateau = opt_state.inner_state[1]
+    assert float(plateau.best_value) == 1.0
+    assert float(plateau.scale) == 0.5
+    # A skipped step does not feed its value to the plateau detector.
+    _, skipped = jit_or_eager(step, {"w": jnp.array([jnp.inf, 0.0])}, opt_state, params, 0.25)
+    assert_bits_equal(skipped.inner_state, opt_state.inner_state)
+
+
+@pytest.mark.parametrize("make_inner", [optax.sgd, optax.adam], ids=["sgd", "adam"])
+def test_params_none(jit_or_eager, make_inner):
+    inner = make_inner(0.5)
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(16.0))
+    opt_state = tx.init({"w": jnp.zeros(2)})
+
+    def step(grads, opt_state):
+        return tx.update(grads, opt_state)
+
+    updates, opt_state = jit_or_eager(step, {"w": jnp.array([16.0, -32.0])}, opt_state)
+    ref_updates, _ = inner.update({"w": jnp.array([1.0, -2.0])}, inner.init({"w": jnp.zeros(2)}))
+    chex.assert_trees_all_close(updates, ref_updates)
+    updates, opt_state = jit_or_eager(step, {"w": jnp.array([jnp.nan, 0.0])}, opt_state)
+    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+    assert stats_tuple(opt_state) == (8.0, 1, False)
+
+
+# --- 8. a jitted train step -----------------------------------------------------------------
+
+
+def test_jitted_train_step_traces_once():
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(key_x, (16, 4), jnp.float32)
+    true_w = jnp.array([1.0, -2.0, 0.5, 3.0])
+    y = x @ true_w
+    params = {"w": 0.1 * jax.random.normal(key_w, (4,)), "b": jnp.zeros([])}
+    ls = jls.DynamicLossScale(initial_loss_scale=2.0**8, increment_period=10)
+    tx = jls.loss_scaled(optax.adam(1e-2), ls)
+
+    def loss_fn(params, x, y):
+        p16 = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+        pred = x.astype(jnp.float16) @ p16["w"] + p16["b"]
+        return jnp.mean((pred - y.astype(jnp.float16)) ** 2)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def train_step(params, opt_state, factor):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: loss_fn(p, x, y).astype(jnp.float32) * scale * factor)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    overflow_steps = {25, 26, 60}
+    opt_state = tx.init(params)
+    initial_loss = float(loss_fn(params, x, y))
+    scales = []
+    for step in range(100):
+        factor = jnp.float32(jnp.inf if step in overflow_steps else 1.0)
+        new_params, opt_state = train_step(params, opt_state, factor)
+        if step in overflow_steps:
+            assert_bits_equal(new_params, params)
+            assert not bool(opt_state.stats.last_step_applied)
+        else:
+            assert bool(opt_state.stats.last_step_applied), step
+        params = new_params
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        chex.assert_trees_all_equal_dtypes(params, {"w": true_w, "b": jnp.zeros([])})
+
+    # 20 finite steps: 2**10; overflows at 25, 26: 2**8; growth at steps 36, 46, 56: 2**11;
+    # overflow at 60: 2**10; growth at steps 70, 80, 90: 2**13.
+    assert scales[9] == 2.0**9
+    assert scales[24] == 2.0**10
+    assert scales[25] == 2.0**9
+    assert scales[26] == 2.0**8
+    assert scales[59] == 2.0**11
+    assert scales[60] == 2.0**10
+    assert scales[-1] == 2.0**13
+    assert max(scales) == 2.0**13
+    assert int(opt_state.stats.skipped_steps) == 3
+    assert float(loss_fn(params, x, y)) < initial_loss

@@ -1,0 +1,403 @@
+"""`loss_scaled` under distribution (DESIGN.md 3.6): pmap, shard_map, SPMD jit, processes."""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import multiprocess_worker as worker  # tests/multiprocess_worker.py
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jax_lossscale as jls
+
+NUM_DEVICES = 8
+AXIS = "d"
+LOSS_SCALE = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2, multiplier=2.0)
+
+# Per step: None, or (the device whose gradients overflow, the value it holds).
+STEPS = [None, (3, np.inf), None, None, (0, np.nan), None, (7, -np.inf), None]
+EXPECTED_SCALES = [1024.0, 512.0, 512.0, 1024.0, 512.0, 512.0, 256.0, 256.0]
+EXPECTED_SKIPPED = [0, 1, 1, 1, 2, 2, 3, 3]
+
+
+def _tx(axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    return jls.loss_scaled(optax.adam(0.125), LOSS_SCALE, axis_name=axis_name)
+
+
+def _params(rows: int = 4) -> dict[str, np.ndarray]:
+    w = (np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) - 5.0) / 4.0
+    return {"b": np.array([0.5, -1.0, 2.0], np.float32), "w": w}
+
+
+def _grads(step: int, device: int, rows: int = 4) -> dict[str, np.ndarray]:
+    """Integer-valued gradients, so that sums and means over 8 devices are exact."""
+    rng = np.random.default_rng(100 * step + device)
+    return {
+        "b": rng.integers(-4, 5, size=3).astype(np.float32),
+        "w": rng.integers(-4, 5, size=(rows, 3)).astype(np.float32),
+    }
+
+
+def _device_grads(step: int, mode: str) -> list[dict[str, np.ndarray]]:
+    """Each device's unscaled gradients at `step`: the same on all, or its own for pmean."""
+    grads = [_grads(step, d if mode == "pmean" else 0) for d in range(NUM_DEVICES)]
+    if STEPS[step] is not None:
+        device, value = STEPS[step]
+        grads[device]["w"][1, 2] = value
+    return grads
+
+
+def _train_step(tx, params, opt_state, grads, mean_axis: str | None = None):
+    """One step on the gradients of a scaled loss; `mean_axis` pmeans them first."""
+    scale = jls.get_loss_scale(opt_state)
+    scaled_grads = jax.tree.map(lambda g: g * scale, grads)
+    if mean_axis is not None:
+        scaled_grads = jax.lax.pmean(scaled_grads, mean_axis)
+    updates, opt_state = tx.update(scaled_grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, updates
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *trees)
+
+
+def _replicate(tree):
+    return _stack([tree] * NUM_DEVICES)
+
+
+def _on_device(host_tree, device: int):
+    return jax.tree.map(lambda x: x[device], host_tree)
+
+
+def _pmap_runner(mode: str, axis_name: str | None = AXIS):
+    tx = _tx(axis_name)
+    mean_axis = AXIS if mode == "pmean" else None
+    return jax.pmap(lambda p, s, g: _train_step(tx, p, s, g, mean_axis), axis_name=AXIS), tx
+
+
+def _shard_map_runner(mode: str, axis_name: str | None = AXIS, check_vma: bool = True):
+    """A shard_map step taking and returning per-device trees stacked on a leading axis.
+
+    Inside, each device holds its own params and state (sharded over the mesh), or, for
+    "pmean", the data-parallel layout: params and state replicated, gradients pmean'ed.
+    """
+    tx = _tx(axis_name)
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    sharded, replicated = PartitionSpec(AXIS), PartitionSpec()
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+
+    if mode == "pmean":
+
+        def per_device(params, opt_state, grads):
+            return _train_step(tx, params, opt_state, first(grads), mean_axis=AXIS)
+
+        mapped = jax.jit(
+            jax.shard_map(
+                per_device,
+                mesh=mesh,
+                in_specs=(replicated, replicated, sharded),
+                out_specs=replicated,
+                check_vma=check_vma,
+            )
+        )
+
+        def step(params, opt_state, grads):
+            out = mapped(first(params), first(opt_state), grads)
+            return jax.tree.map(_device_copies, out)
+
+        return step, tx
+
+    def per_device(params, opt_state, grads):
+        out = _train_step(tx, first(params), first(opt_state), first(grads))
+        return jax.tree.map(lambda x: x[None], out)
+
+    mapped = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(sharded,) * 3, out_specs=sharded, check_vma=check_vma
+    )
+    return jax.jit(mapped), tx
+
+
+def _device_copies(array: jax.Array) -> np.ndarray:
+    """Each device's own copy of a replicated array, stacked in device order."""
+    assert len(array.addressable_shards) == NUM_DEVICES
+    shards = sorted(array.addressable_shards, key=lambda shard: shard.device.id)
+    return np.stack([np.asarray(shard.data) for shard in shards])
+
+
+def _shard_map_no_vma_check_runner(mode: str, axis_name: str | None = AXIS):
+    return _shard_map_runner(mode, axis_name, check_vma=False)
+
+
+RUNNERS = {
+    "pmap": _pmap_runner,
+    "shard_map": _shard_map_runner,
+    "shard_map_no_vma_check": _shard_map_no_vma_check_runner,
+}
+
+
+@functools.cache
+def _runner(name: str, mode: str, axis_name: str | None = AXIS):
+    """The runner's step function and its tx, built once so that tests share compilations."""
+    return RUNNERS[name](mode, axis_name)
+
+
+@functools.cache
+def _reference_step():
+    tx = _tx()
+    return jax.jit(lambda p, s, g: _train_step(tx, p, s, g))
+
+
+@pytest.mark.parametrize("mode", ["identical", "pmean"])
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_devices_agree_and_match_single_device(runner, mode):
+    step_fn, tx = _runner(runner, mode)
+    reference_step = _reference_step()
+    ref_params = _params()
+    ref_state = tx.init(ref_params)
+    params, opt_state = _replicate(ref_params), _replicate(ref_state)
+
+    for step, overflow in enumerate(STEPS):
+        device_grads = _device_grads(step, mode)
+        if mode == "pmean":
+            ref_grads = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *device_grads)
+        else:
+            ref_grads = device_grads[overflow[0] if overflow else 0]
+        old_ref_params, old_ref_state = ref_params, ref_state
+        ref_params, ref_state, ref_updates = reference_step(ref_params, ref_state, ref_grads)
+        params, opt_state, updates = step_fn(params, opt_state, _stack(device_grads))
+
+        expected_stats = jls.LossScaleStats(
+            loss_scale=np.float32(EXPECTED_SCALES[step]),
+            skipped_steps=np.int32(EXPECTED_SKIPPED[step]),
+            last_step_applied=np.bool_(overflow is None),
+        )
+        chex.assert_trees_all_equal(jls.get_loss_scale_stats(ref_state), expected_stats)
+        if overflow is None:
+            assert not np.array_equal(ref_params["w"], old_ref_params["w"])
+        else:
+            chex.assert_trees_all_equal(ref_params, old_ref_params)
+            chex.assert_trees_all_equal(ref_state.inner_state, old_ref_state.inner_state)
+        outputs = jax.device_get((params, opt_state, updates))
+        for device in range(NUM_DEVICES):
+            chex.assert_trees_all_equal(
+                _on_device(outputs, device),
+                (ref_params, ref_state, ref_updates),
+            )
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize(("device", "value"), [(0, np.nan), (5, np.inf), (7, -np.inf)])
+def test_one_device_overflow_skips_every_device(runner, device, value):
+    step_fn, tx = _runner(runner, "identical")
+    params = _replicate(_params())
+    opt_state = _replicate(tx.init(_params()))
+    # One good step first, so that the inner state is not the initial one.
+    params, opt_state, _ = step_fn(params, opt_state, _replicate(_grads(0, 0)))
+    grads = [_grads(1, 0) for _ in range(NUM_DEVICES)]
+    grads[device]["b"][0] = value
+
+    new_params, new_state, updates = step_fn(params, opt_state, _stack(grads))
+
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, opt_state.inner_state)
+    for leaf in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(np.signbit(leaf), True)
+    chex.assert_trees_all_equal(
+        new_state.loss_scale_state,
+        _replicate(
+            jls.DynamicLossScaleState(
+                loss_scale=np.float32(512.0),
+                good_steps=np.int32(0),
+                overflows_until_backoff=np.int32(1),
+            )
+        ),
+    )
+    chex.assert_trees_all_equal(
+        new_state.stats,
+        _replicate(jls.LossScaleStats(np.float32(512.0), np.int32(1), np.bool_(False))),
+    )
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_without_axis_name_devices_decide_alone(runner):
+    """The reason for `axis_name`: without it only the overflowing device skips."""
+    step_fn, tx = _runner(runner, "identical", axis_name=None)
+    params = _replicate(_params())
+    grads = [_grads(0, 0) for _ in range(NUM_DEVICES)]
+    grads[2]["w"][0, 0] = np.inf
+
+    _, new_state, _ = step_fn(params, _replicate(tx.init(_params())), _stack(grads))
+
+    applied = np.asarray(new_state.stats.last_step_applied)
+    np.testing.assert_array_equal(applied, [True, True, False, True, True, True, True, True])
+
+
+def _spmd_setup():
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    shardings = {
+        "b": NamedSharding(mesh, PartitionSpec()),
+        "w": NamedSharding(mesh, PartitionSpec(AXIS, None)),
+    }
+    return mesh, shardings
+
+
+def _assert_sharded_like(tree, shardings):
+    for name, sharding in shardings.items():
+        leaf = tree[name]
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (name, leaf.sharding)
+
+
+def test_spmd_jit_keeps_shardings_and_matches_unsharded_run():
+    rows = 2 * NUM_DEVICES
+    _, shardings = _spmd_setup()
+    tx = _tx()
+    step = jax.jit(lambda p, s, g: _train_step(tx, p, s, g))
+    init = jax.jit(tx.init)
+    one_device = jax.devices()[0]
+    params = jax.device_put(_params(rows), shardings)
+    opt_state = init(params)
+    ref_params = jax.device_put(_params(rows), one_device)
+    ref_state = init(ref_params)
+
+    for i, overflow in enumerate(STEPS):
+        grads = _grads(i, 0, rows)
+        if overflow is not None:
+            # Row 2 * d lies in the shard of device d.
+            device, value = overflow
+            grads["w"][2 * device, 1] = value
+        old_params, old_state = params, opt_state
+        params, opt_state, updates = step(params, opt_state, jax.device_put(grads, shardings))
+        ref_params, ref_state, ref_updates = step(
+            ref_params, ref_state, jax.device_put(grads, one_device)
+        )
+
+        adam_state = opt_state.inner_state[0]
+        for tree in (params, updates, adam_state.mu, adam_state.nu):
+            _assert_sharded_like(tree, shardings)
+        for leaf in jax.tree.leaves(
+            (adam_state.count, opt_state.loss_scale_state, opt_state.stats)
+        ):
+            assert leaf.sharding.is_fully_replicated
+        chex.assert_trees_all_equal(
+            (params, opt_state, updates), (ref_params, ref_state, ref_updates)
+        )
+        assert float(jls.get_loss_scale(opt_state)) == EXPECTED_SCALES[i]
+        assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == EXPECTED_SKIPPED[i]
+        if overflow is not None:
+            chex.assert_trees_all_equal(params, old_params)
+            chex.assert_trees_all_equal(opt_state.inner_state, old_state.inner_state)
+
+
+def test_spmd_jit_does_not_gather_sharded_gradients():
+    _, shardings = _spmd_setup()
+    tx = _tx()
+    params = jax.device_put(_params(2 * NUM_DEVICES), shardings)
+    opt_state = jax.jit(tx.init)(params)
+    grads = jax.device_put(_grads(0, 0, 2 * NUM_DEVICES), shardings)
+
+    hlo = (
+        jax.jit(lambda p, s, g: _train_step(tx, p, s, g))
+        .lower(params, opt_state, grads)
+        .compile()
+        .as_text()
+    )
+
+    assert "all-gather" not in hlo
+    assert "all-to-all" not in hlo
+    assert "all-reduce" in hlo  # the finite flag, combined over the shards
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(tmp_path: Path, num_processes: int, timeout_s: float) -> list[dict]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    script = Path(worker.__file__)
+    procs, logs = [], []
+    try:
+        for i in range(num_processes):
+            log = tmp_path / f"worker{i}.log"
+            logs.append(log)
+            with open(log, "w") as f:
+                cmd = [sys.executable, str(script), "--process-id", str(i)]
+                cmd += ["--num-processes", str(num_processes), "--port", str(port)]
+                cmd += ["--output", str(tmp_path / f"worker{i}.json")]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    codes = [proc.returncode for proc in procs]
+    if codes != [0] * num_processes:
+        output = "\n".join(
+            f"--- worker {i} (exit {c}):\n{logs[i].read_text()}" for i, c in enumerate(codes)
+        )
+        pytest.fail(
+            f"workers did not all finish within {timeout_s} s with exit code 0 "
+            f"(negative: killed by signal)\n{output}"
+        )
+    return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(num_processes)]
+
+
+def _reference_run() -> tuple[list[bool], dict[str, np.ndarray]]:
+    """The workers' training on one device of this process."""
+    tx = worker.make_tx()
+    step = worker.make_train_step(tx)
+    params = jax.device_put(worker.init_params(), jax.devices()[0])
+    opt_state = tx.init(params)
+    applied = []
+    for i in range(worker.NUM_STEPS):
+        params, opt_state = step(params, opt_state, worker.reference_batch(i, 2))
+        applied.append(bool(jls.get_loss_scale_stats(opt_state).last_step_applied))
+    return applied, params
+
+
+def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
+    results = _run_workers(tmp_path, num_processes=2, timeout_s=120)
+
+    expected_applied = [True, False, True, True, False, True]
+    ref_applied, ref_params = _reference_run()
+    assert ref_applied == expected_applied
+    for i, result in enumerate(results):
+        assert (result["process_id"], result["process_count"]) == (i, 2)
+        assert (result["global_devices"], result["local_devices"]) == (4, 2)
+        assert result["applied"] == expected_applied
+        assert result["scales"] == [1024.0, 512.0, 512.0, 1024.0, 512.0, 512.0]
+        assert result["loss_scale_state"] == {
+            "loss_scale": 512.0,
+            "good_steps": 1,
+            "overflows_until_backoff": 1,
+        }
+        assert result["stats"] == {
+            "loss_scale": 512.0,
+            "skipped_steps": 2,
+            "last_step_applied": True,
+        }
+        assert all(result["shardings_kept"].values()), result["shardings_kept"]
+        for name, value in ref_params.items():
+            np.testing.assert_array_equal(
+                np.asarray(result["params"][name], np.float32), value, err_msg=name, strict=True
+            )
+    assert results[0]["local_b"] == results[1]["local_b"]
+    assert results[0]["params_sha256"] == results[1]["params_sha256"]
