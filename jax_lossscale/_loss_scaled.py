@@ -262,7 +262,7 @@ def _check_wrapper_state(state: Any) -> None:
 def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
     # -0.0 is the additive identity for every float, +0.0 and -0.0 included.
     fill = -0.0 if is_floating(shape) else 0
-    return jnp.full(shape.shape, fill, shape.dtype)
+    return jnp.full_like(shape, fill)  # like the update: dtype, shape and varying manual axes
 
 
 def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:
