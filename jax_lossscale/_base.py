@@ -146,28 +146,41 @@ def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> N
     """Raises unless `state` is a `state_type` of arrays like those `owner.init()` returns.
 
     The check runs on shapes and dtypes only, so it passes for tracers at trace time.
-    Weakly typed leaves are refused: a jitted step would trace again once `update`
-    returns them strongly typed.
     """
     name = type(owner).__name__
-    if not isinstance(state, state_type):
+    check_named_arrays(
+        state,
+        _state_template(owner),
+        where=name,
+        label="state",
+        source=f"{name}.init()",
+    )
+
+
+def check_named_arrays(value: Any, template: NamedTuple, *, where: str, label: str, source: str):
+    """Raises unless `value` is a NamedTuple of the template's type, shapes and dtypes.
+
+    Weakly typed leaves are refused: a jitted step would trace again once they come
+    back strongly typed from an update.
+    """
+    expected_type = type(template)
+    if not isinstance(value, expected_type):
         raise TypeError(
-            f"{name}: state must be the {state_type.__name__} returned by {name}.init(), "
-            f"got {type(state).__name__}"
+            f"{where}: {label} must be the {expected_type.__name__} returned by {source}, "
+            f"got {type(value).__name__}"
         )
-    expected = _state_template(owner)
-    for field, value, template in zip(state._fields, state, expected, strict=True):
-        if not isinstance(value, jax.Array | np.ndarray | np.generic):
-            raise TypeError(f"{name}: state.{field} must be an array, got {_describe(value)}")
-        if value.dtype != template.dtype or getattr(value, "weak_type", False):
+    for field, leaf, expected in zip(value._fields, value, template, strict=True):
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            raise TypeError(f"{where}: {label}.{field} must be an array, got {_describe(leaf)}")
+        if leaf.dtype != expected.dtype or getattr(leaf, "weak_type", False):
             raise TypeError(
-                f"{name}: state.{field} must have dtype {template.dtype} (not weakly typed), "
-                f"got {_describe(value)}; build states with {name}.init()"
+                f"{where}: {label}.{field} must have dtype {expected.dtype} (not weakly typed), "
+                f"got {_describe(leaf)}; build states with {source}"
             )
-        if value.shape != template.shape:
+        if leaf.shape != expected.shape:
             raise ValueError(
-                f"{name}: state.{field} must have shape {template.shape}, got shape "
-                f"{value.shape}; a state replicated for pmap has scalar leaves only inside "
+                f"{where}: {label}.{field} must have shape {expected.shape}, got shape "
+                f"{leaf.shape}; a state replicated for pmap has scalar leaves only inside "
                 "the pmapped function"
             )
 

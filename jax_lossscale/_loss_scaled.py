@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._base import LossScale
-from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, is_floating, short_repr
+from jax_lossscale._base import LossScale, check_named_arrays
+from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, short_repr
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -55,7 +55,7 @@ class LossScaledState(NamedTuple):
 
 
 def loss_scaled(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | optax.MultiSteps,
     loss_scale: LossScale,
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -103,7 +103,7 @@ def loss_scaled(
       ({'w': Array([1., 2.], dtype=float32)}, Array(2., dtype=float32))
     """
     if isinstance(inner, optax.MultiSteps):
-        inner = inner.gradient_transformation()
+        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
     if not isinstance(inner, optax.GradientTransformation):
         hint = "; call it first, e.g. optax.adam(1e-3)" if callable(inner) else ""
         raise TypeError(
@@ -122,9 +122,15 @@ def loss_scaled(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScaledState:
+        inner_state = inner.init(params)
+        if _wrapper_states(inner_state):
+            raise ValueError(
+                "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
+                "would be unscaled twice. Use one loss_scaled around the whole optimizer"
+            )
         loss_scale_state = loss_scale.init()
         return LossScaledState(
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             loss_scale_state=loss_scale_state,
             stats=LossScaleStats(
                 loss_scale=loss_scale._checked_scale(loss_scale_state),
@@ -145,6 +151,7 @@ def loss_scaled(
 
         grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
         loss_scale_state, finite = loss_scale.update(state.loss_scale_state, grads, axis_name)
+        _check_should_apply(loss_scale, finite)
 
         # Both branches unscale on their own, so that XLA can fuse the division into
         # the inner update instead of keeping the unscaled gradients in memory.
@@ -153,8 +160,11 @@ def loss_scaled(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         def skip_inner():
-            updates_shape, _ = jax.eval_shape(apply_inner)
-            return jax.tree.map(_negative_zeros, updates_shape), state.inner_state
+            updates_shape, inner_state_shape = jax.eval_shape(apply_inner)
+            return (
+                jax.tree.map(_negative_zeros, updates_shape),
+                jax.tree.map(_with_manual_axes_of, state.inner_state, inner_state_shape),
+            )
 
         new_updates, inner_state = jax.lax.cond(finite, apply_inner, skip_inner)
 
@@ -220,11 +230,7 @@ def get_loss_scale_stats(opt_state: optax.OptState) -> LossScaleStats:
 
 
 def _find_state(opt_state: optax.OptState, caller: str) -> LossScaledState:
-    def is_wrapper_state(node: Any) -> bool:
-        return isinstance(node, LossScaledState)
-
-    nodes = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_wrapper_state)[0]
-    found = [(path, node) for path, node in nodes if is_wrapper_state(node)]
+    found = _wrapper_states(opt_state)
     if not found:
         raise LookupError(
             f"{caller}: opt_state ({type(opt_state).__name__}) holds no LossScaledState; "
@@ -239,30 +245,65 @@ def _find_state(opt_state: optax.OptState, caller: str) -> LossScaledState:
     return found[0][1]
 
 
+def _wrapper_states(tree: PyTree) -> list[tuple[Any, LossScaledState]]:
+    def is_wrapper_state(node: Any) -> bool:
+        return isinstance(node, LossScaledState)
+
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_wrapper_state)[0]
+    return [(path, node) for path, node in nodes if is_wrapper_state(node)]
+
+
+_STATS_TEMPLATE = LossScaleStats(
+    loss_scale=jax.ShapeDtypeStruct((), jnp.float32),
+    skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),
+    last_step_applied=jax.ShapeDtypeStruct((), jnp.bool_),
+)
+
+
 def _check_wrapper_state(state: Any) -> None:
     if not isinstance(state, LossScaledState):
         raise TypeError(
             "loss_scaled.update: state must be the LossScaledState returned by init(), "
             f"got {type(state).__name__}"
         )
-    expected = {"loss_scale": jnp.float32, "skipped_steps": jnp.int32, "last_step_applied": bool}
-    for field, value in zip(state.stats._fields, state.stats, strict=True):
-        dtype = np.dtype(expected[field])
-        if (
-            not isinstance(value, jax.Array | np.ndarray | np.generic)
-            or value.shape != ()
-            or value.dtype != dtype
-        ):
-            raise TypeError(
-                f"loss_scaled.update: state.stats.{field} must be a {dtype} scalar array, "
-                f"got {short_repr(value)}; build states with init()"
-            )
+    where, label = "loss_scaled.update", "state.stats"
+    check_named_arrays(state.stats, _STATS_TEMPLATE, where=where, label=label, source="init()")
+
+
+def _check_should_apply(loss_scale: LossScale, should_apply: Any) -> None:
+    if not (
+        isinstance(should_apply, jax.Array | np.ndarray | np.generic)
+        and should_apply.shape == ()
+        and should_apply.dtype == np.bool_
+    ):
+        raise TypeError(
+            f"loss_scaled: {type(loss_scale).__name__}.update must return should_apply as a "
+            f"bool scalar array, got {short_repr(should_apply)}"
+        )
 
 
 def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
     # -0.0 is the additive identity for every float, +0.0 and -0.0 included.
-    fill = -0.0 if is_floating(shape) else 0
+    if jnp.issubdtype(shape.dtype, jnp.complexfloating):
+        fill = complex(-0.0, -0.0)
+    elif jnp.issubdtype(shape.dtype, jnp.floating):
+        fill = -0.0
+    else:
+        fill = 0
     return jnp.full_like(shape, fill)  # like the update: dtype, shape and varying manual axes
+
+
+def _with_manual_axes_of(value: jax.Array, shape: jax.ShapeDtypeStruct) -> jax.Array:
+    """`value`, varying over the same `shard_map` axes as the inner update's new state.
+
+    A state that comes in replicated comes out of the inner update varying when the
+    gradients vary per device; both branches of the `cond` must agree on that.
+    """
+    if getattr(jax.typeof(value), "manual_axis_type", None) == getattr(
+        shape, "manual_axis_type", None
+    ):
+        return value
+    return jnp.where(jnp.full_like(shape, True, dtype=jnp.bool_), value, value)
 
 
 def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:

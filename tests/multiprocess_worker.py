@@ -2,9 +2,15 @@
 
 Run as `python multiprocess_worker.py --process-id I --num-processes N --port P --output F`:
 joins a `jax.distributed` job on 127.0.0.1 with CPU devices, runs a few steps of a jitted,
-loss-scaled train step over a global mesh with the batch and `w` sharded across processes,
+loss-scaled train step over a global mesh with the data and `w` sharded across processes,
 and writes what this process saw as JSON to F. Importing it runs nothing: the test imports
 the model and the data from here to compute the single-process reference.
+
+The model keeps the processes' gradients apart: row i of `w`'s gradient is row i of `x`,
+held by the device that holds row i of `w`, and the replicated `b`'s gradient comes from
+`y` alone. An overflow injected into the injecting process's rows of `x` thus reaches only
+that process's shards of the gradients; the other process skips only if the finite check
+really spans both processes.
 """
 
 import argparse
@@ -16,11 +22,11 @@ import numpy as np
 
 AXIS = "d"
 NUM_STEPS = 6
-BATCH = 8
 W_ROWS = 8
 W_COLS = 3
+Y_ROWS = 8
 INJECTING_PROCESS = 1
-# Steps on which INJECTING_PROCESS puts a non-finite value in its own part of the batch.
+# Steps on which INJECTING_PROCESS puts a non-finite value in its own rows of `x`.
 OVERFLOW_STEPS = {1: np.inf, 4: np.nan}
 
 
@@ -44,43 +50,50 @@ def init_params() -> dict[str, np.ndarray]:
     return {"b": b, "w": w}
 
 
-def global_batch(step: int) -> np.ndarray:
+def global_batch(step: int) -> dict[str, np.ndarray]:
     """The batch of `step`, small integers so that sums are exact in any order."""
     rng = np.random.default_rng(step)
-    return rng.integers(-4, 5, size=(BATCH, W_ROWS, W_COLS)).astype(np.float32)
+    return {
+        "x": rng.integers(-4, 5, size=(W_ROWS, W_COLS)).astype(np.float32),
+        "y": rng.integers(-4, 5, size=(Y_ROWS, W_COLS)).astype(np.float32),
+    }
 
 
-def process_batch(step: int, process_id: int, num_processes: int) -> np.ndarray:
+def process_batch(step: int, process_id: int, num_processes: int) -> dict[str, np.ndarray]:
     """The rows of the global batch that `process_id` feeds, with the injected overflow."""
-    rows = BATCH // num_processes
-    local = global_batch(step)[process_id * rows : (process_id + 1) * rows].copy()
+    local = {}
+    for name, value in global_batch(step).items():
+        rows = len(value) // num_processes
+        local[name] = value[process_id * rows : (process_id + 1) * rows].copy()
     if process_id == INJECTING_PROCESS and step in OVERFLOW_STEPS:
-        local[0, 0, 0] = OVERFLOW_STEPS[step]
+        local["x"][0, 0] = OVERFLOW_STEPS[step]
     return local
 
 
-def reference_batch(step: int, num_processes: int) -> np.ndarray:
+def reference_batch(step: int, num_processes: int) -> dict[str, np.ndarray]:
     """The global batch as the processes assemble it, overflows included."""
-    return np.concatenate([process_batch(step, i, num_processes) for i in range(num_processes)])
+    parts = [process_batch(step, i, num_processes) for i in range(num_processes)]
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
 
-def loss_fn(params, x):
+def loss_fn(params, batch):
     import jax.numpy as jnp
 
-    return jnp.sum(params["w"] * x.sum(0)) + jnp.sum(params["b"] * x.sum((0, 1)))
+    return jnp.sum(params["w"] * batch["x"]) + jnp.sum(params["b"] * batch["y"].sum(0))
 
 
 def make_train_step(tx):
+    """A jitted step returning the new params, the new state and the scaled gradients."""
     import jax
     import optax
 
     import jax_lossscale as jls
 
-    def train_step(params, opt_state, x):
+    def train_step(params, opt_state, batch):
         scale = jls.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: loss_fn(p, x) * scale)(params)
+        grads = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, grads
 
     return jax.jit(train_step)
 
@@ -88,6 +101,11 @@ def make_train_step(tx):
 def _local_value(array) -> np.ndarray:
     """This process's own copy of a replicated array (not a gathered one)."""
     return np.asarray(array.addressable_data(0))
+
+
+def _locally_finite(array) -> bool:
+    """Whether the shards of `array` on this process's devices hold only finite values."""
+    return all(bool(np.isfinite(np.asarray(s.data)).all()) for s in array.addressable_shards)
 
 
 def _scalars(named_tuple) -> dict[str, float | int | bool]:
@@ -145,14 +163,20 @@ def main() -> None:
     opt_state = jax.jit(tx.init)(params)
     train_step = make_train_step(tx)
 
-    applied, scales = [], []
+    applied, scales, local_grads_finite = [], [], []
     for step in range(NUM_STEPS):
-        x_local = process_batch(step, args.process_id, args.num_processes)
-        x = jax.make_array_from_process_local_data(sharded, x_local, (BATCH, W_ROWS, W_COLS))
-        params, opt_state = train_step(params, opt_state, x)
+        local = process_batch(step, args.process_id, args.num_processes)
+        batch = {
+            name: jax.make_array_from_process_local_data(
+                sharded, value, (len(value) * args.num_processes, W_COLS)
+            )
+            for name, value in local.items()
+        }
+        params, opt_state, grads = train_step(params, opt_state, batch)
         stats = jls.get_loss_scale_stats(opt_state)
         applied.append(bool(_local_value(stats.last_step_applied)))
         scales.append(float(_local_value(stats.loss_scale)))
+        local_grads_finite.append({name: _locally_finite(g) for name, g in grads.items()})
 
     gathered = multihost_utils.process_allgather(params, tiled=True)
     digest = hashlib.sha256()
@@ -165,6 +189,7 @@ def main() -> None:
         "local_devices": jax.local_device_count(),
         "applied": applied,
         "scales": scales,
+        "local_grads_finite": local_grads_finite,
         "loss_scale_state": _scalars(opt_state.loss_scale_state),
         "stats": _scalars(jls.get_loss_scale_stats(opt_state)),
         "local_b": _local_value(params["b"]).tolist(),

@@ -1,5 +1,6 @@
 """The optax wrapper `loss_scaled`, `get_loss_scale` and `get_loss_scale_stats` (DESIGN.md 3.5)."""
 
+import dataclasses
 import re
 from typing import NamedTuple
 
@@ -18,10 +19,15 @@ UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def bits(tree):
-    """Each leaf as unsigned integers of the same width: NaN and signed zeros compare exactly."""
+    """Each leaf as unsigned integers of the same width: NaN and signed zeros compare exactly.
+
+    A complex leaf gets a last axis of two: the bits of its real and imaginary parts.
+    """
 
     def view(leaf):
         array = np.asarray(leaf)
+        if np.iscomplexobj(array):
+            array = np.stack([array.real, array.imag], axis=-1)
         return array.view(UINT_OF_SIZE[array.dtype.itemsize])
 
     return jax.tree.map(view, tree)
@@ -44,6 +50,15 @@ def scaled(grads, scale):
 
 def with_bad_value(grads, bad):
     return {**grads, "w": grads["w"].at[1].set(bad)}
+
+
+def exact(message: str) -> str:
+    """A regex for exactly `message`; under jit JAX may add a note after a newline."""
+    return "^" + re.escape(message) + r"(?:$|\n)"
+
+
+def is_jit(request) -> bool:
+    return request.node.callspec.params["jit_or_eager"] == "jit"
 
 
 # --- 1. data flow ---------------------------------------------------------------------------
@@ -103,31 +118,45 @@ def test_fixed_loss_scale_never_skips(jit_or_eager):
         updates, opt_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
         # The non-finite gradient reaches sgd: the update is -bad, not a skip.
         chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, -bad, -0.5])})
-        assert bool(jnp.isnan(bad)) or float(updates["w"][1]) == -bad
         assert stats_tuple(opt_state) == (8.0, 0, True)
 
 
 # --- 2. skipped steps -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, *HALF_DTYPES])
+def array_of(dtype, real, imag):
+    """`real + imag * 1j` for a complex dtype, else `real`; signed zeros and NaN kept."""
+    if not jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.asarray(real, dtype)
+    part = jnp.finfo(dtype).dtype
+    return jax.lax.complex(jnp.asarray(real, part), jnp.asarray(imag, part))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, *HALF_DTYPES, jnp.complex64])
 def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, dtype):
     inner = optax.adam(optax.linear_schedule(0.1, 0.0, transition_steps=10))
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=64.0))
     special = [0.0, -0.0, jnp.nan, jnp.inf, -jnp.inf, 1.5, -2.0]
-    params = {"w": jnp.array(special, dtype), "b": jnp.array(-0.0, dtype)}
-    grads = {"w": jnp.full(7, 64.0, dtype), "b": jnp.array(-32.0, dtype)}
+    # Complex parts pair each special value with another: (0, -2), (-0, 1.5), (nan, -inf)...
+    params = {"w": array_of(dtype, special, special[::-1]), "b": array_of(dtype, -0.0, 0.0)}
+    grads = {"w": array_of(dtype, [64.0] * 7, [-64.0] * 7), "b": array_of(dtype, -32.0, 16.0)}
+    is_complex = jnp.issubdtype(dtype, jnp.complexfloating)
     _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
     assert int(opt_state.inner_state[0].count) == 1
     assert int(opt_state.inner_state[1].count) == 1
 
     expected_scale = 64.0
     for skipped, bad in enumerate(NONFINITE, start=1):
-        bad_grads = {"w": grads["w"].at[3].set(bad), "b": grads["b"]}
+        # A complex gradient overflows in its imaginary part.
+        bad_value = array_of(dtype, 64.0, bad) if is_complex else bad
+        bad_grads = {"w": grads["w"].at[3].set(bad_value), "b": grads["b"]}
         updates, new_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
         expected_scale /= 2
         assert stats_tuple(new_state) == (expected_scale, skipped, False)
-        negative_zero = {"w": jnp.full(7, -0.0, dtype), "b": jnp.array(-0.0, dtype)}
+        negative_zero = {
+            "w": array_of(dtype, [-0.0] * 7, [-0.0] * 7),
+            "b": array_of(dtype, -0.0, -0.0),
+        }
         assert_bits_equal(updates, negative_zero)
         assert_bits_equal(optax.apply_updates(params, updates), params)
         assert_bits_equal(new_state.inner_state, opt_state.inner_state)
@@ -144,6 +173,20 @@ def test_each_nonfinite_value_triggers_a_skip(jit_or_eager, bad):
     updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
     assert stats_tuple(opt_state) == (8.0, 1, False)
     assert_bits_equal(optax.apply_updates(params, updates), params)
+
+
+def test_skipped_steps_saturates_at_int32_max(jit_or_eager):
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=16.0))
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    int32_max = jnp.array(2**31 - 1, jnp.int32)
+    state = state._replace(stats=state.stats._replace(skipped_steps=int32_max))
+    _, skipped = jit_or_eager(tx.update, {"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    chex.assert_trees_all_equal(skipped.stats.skipped_steps, int32_max, strict=True)
+    assert stats_tuple(skipped) == (8.0, 2**31 - 1, False)
+    _, applied = jit_or_eager(tx.update, {"w": jnp.array([8.0, 8.0])}, skipped, params)
+    chex.assert_trees_all_equal(applied.stats.skipped_steps, int32_max, strict=True)
+    assert stats_tuple(applied) == (8.0, 2**31 - 1, True)
 
 
 # --- 3. composition -------------------------------------------------------------------------
@@ -183,6 +226,17 @@ def test_inside_chain_last(jit_or_eager):
     assert stats_tuple(opt_state[1]) == (4.0, 1, False)
 
 
+def set_lr(opt_state, lr):
+    """`opt_state` of `optax.inject_hyperparams` with its learning rate set to `lr`."""
+    hyperparams = {**opt_state.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)}
+    return opt_state._replace(hyperparams=hyperparams)
+
+
+def set_wrapped_lr(opt_state, lr):
+    """`set_lr` on the inner state of `loss_scaled(optax.inject_hyperparams(...), ls)`."""
+    return opt_state._replace(inner_state=set_lr(opt_state.inner_state, lr))
+
+
 def run_with_learning_rates(tx, set_lr, params, grads, scale, learning_rates, call):
     """Runs `tx` over `grads * scale`, setting the injected learning rate before each step."""
     opt_state = tx.init(params)
@@ -205,11 +259,6 @@ def test_built_inside_inject_hyperparams(jit_or_eager):
     )
     params = {"w": jnp.array([1.0, 2.0])}
     grads = {"w": jnp.array([0.5, -0.25])}
-
-    def set_lr(opt_state, lr):
-        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        return opt_state
-
     learning_rates = [0.1, 0.01, 0.001]
     updates, opt_state = run_with_learning_rates(
         tx, set_lr, params, grads, 16.0, learning_rates, jit_or_eager
@@ -233,15 +282,6 @@ def test_wrapping_inject_hyperparams(jit_or_eager):
     reference = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
     params = {"w": jnp.array([1.0, 2.0])}
     grads = {"w": jnp.array([0.5, -0.25])}
-
-    def set_wrapped_lr(opt_state, lr):
-        opt_state.inner_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        return opt_state
-
-    def set_lr(opt_state, lr):
-        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
-        return opt_state
-
     learning_rates = [0.1, 0.01, 0.001]
     updates, opt_state = run_with_learning_rates(
         tx, set_wrapped_lr, params, grads, 16.0, learning_rates, jit_or_eager
@@ -357,6 +397,57 @@ def test_multisteps_outside_the_wrapper_is_a_trap(jit_or_eager):
         assert stats_tuple(opt_state) == (expected_scales[window], window + 1, False)
 
 
+def test_multisteps_around_apply_if_finite_has_the_same_fault(jit_or_eager):
+    inner = optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=100)
+    tx = optax.MultiSteps(inner, 2)
+    params = {"w": jnp.array([1.0, -1.0])}
+    opt_state = tx.init(params)
+    initial_params = params
+    windows = [[jnp.inf, 1.0]] + [[1.0, 1.0]] * 3
+    for window, values in enumerate(windows, start=1):
+        for value in values:
+            grads = {"w": jnp.array([value, 0.5])}
+            updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        assert_bits_equal(params, initial_params)
+        assert np.isnan(np.asarray(opt_state.acc_grads["w"][0]))
+        # Every window is refused, not only the one with the overflow.
+        assert int(opt_state.inner_opt_state.total_notfinite) == window
+        assert int(opt_state.inner_opt_state.notfinite_count) == window
+
+
+@pytest.mark.parametrize("place", ["outside", "inside"])
+def test_schedule_outside_the_wrapper_counts_skipped_steps(jit_or_eager, place):
+    ls = jls.DynamicLossScale(initial_loss_scale=4.0, increment_period=100)
+    schedule = optax.piecewise_constant_schedule(1.0, {1: 0.5, 2: 0.5})  # 1, 0.5, 0.25, ...
+    if place == "outside":
+        tx = optax.inject_hyperparams(
+            lambda learning_rate: jls.loss_scaled(optax.sgd(learning_rate), ls)
+        )(learning_rate=schedule)
+    else:
+        tx = jls.loss_scaled(optax.sgd(schedule), ls)
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = tx.init(params)
+    true_grads = {"w": jnp.array([1.0, -2.0])}
+    all_updates = []
+    for bad in [False, True, False]:
+        grads = scaled(true_grads, jls.get_loss_scale(opt_state))
+        if bad:
+            grads = with_bad_value(grads, jnp.nan)
+        updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+        all_updates.append(updates)
+    assert stats_tuple(opt_state) == (2.0, 1, True)
+    assert_bits_equal(all_updates[0], {"w": jnp.array([-1.0, 2.0])})
+    assert_bits_equal(all_updates[1], {"w": jnp.array([-0.0, -0.0])})
+    if place == "outside":
+        # The third step reads the schedule at count 2: the skipped step was counted.
+        assert int(opt_state.count) == 3
+        assert_bits_equal(all_updates[2], {"w": jnp.array([-0.25, 0.5])})
+    else:
+        assert int(opt_state.inner_state[-1].count) == 2
+        assert_bits_equal(all_updates[2], {"w": jnp.array([-0.5, 1.0])})
+
+
 # --- 4. dtypes ------------------------------------------------------------------------------
 
 
@@ -433,11 +524,14 @@ def test_get_loss_scale_reads_the_current_scale():
     opt_state = tx.init(params)
     _, opt_state = tx.update({"w": jnp.array([1.0, jnp.nan, 1.0])}, opt_state, params)
     assert float(jls.get_loss_scale(opt_state)) == 32.0
-    assert jls.get_loss_scale_stats(opt_state)._asdict() == {
-        "loss_scale": 32.0,
-        "skipped_steps": 1,
-        "last_step_applied": False,
+    expected = {
+        "loss_scale": jnp.array(32.0, jnp.float32),
+        "skipped_steps": jnp.array(1, jnp.int32),
+        "last_step_applied": jnp.array(False),
     }
+    stats = jls.get_loss_scale_stats(opt_state)._asdict()
+    chex.assert_trees_all_equal(stats, expected, strict=True)
+    assert not any(leaf.weak_type for leaf in stats.values())
 
 
 @pytest.mark.parametrize("getter", [jls.get_loss_scale, jls.get_loss_scale_stats])
@@ -522,34 +616,56 @@ def assert_unchanged(tree, before):
         np.testing.assert_array_equal(leaf, old)
 
 
-def test_state_of_the_wrong_kind(jit_or_eager):
+def test_state_of_the_wrong_kind(jit_or_eager, request):
     tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
     params = {"w": jnp.ones(2)}
     grads = {"w": jnp.ones(2)}
     good_state = tx.init(params)
+    stats = good_state.stats
+    array_type = "DynamicJaxprTracer" if is_jit(request) else "ArrayImpl"
     cases = [
         (
             optax.sgd(0.1).init(params),
-            r"^loss_scaled\.update: state must be the LossScaledState returned by init\(\), "
-            r"got tuple(?:$|\n)",
+            TypeError,
+            "loss_scaled.update: state must be the LossScaledState returned by init(), got tuple",
         ),
         (
             good_state._replace(loss_scale_state=jls.FixedLossScale(2.0).init()),
-            r"^DynamicLossScale: state must be the DynamicLossScaleState returned by "
-            r"DynamicLossScale\.init\(\), got FixedLossScaleState(?:$|\n)",
+            TypeError,
+            "DynamicLossScale: state must be the DynamicLossScaleState returned by "
+            "DynamicLossScale.init(), got FixedLossScaleState",
         ),
         (
-            good_state._replace(
-                stats=good_state.stats._replace(skipped_steps=jnp.zeros([], jnp.float32))
-            ),
-            r"^loss_scaled\.update: state\.stats\.skipped_steps must be a int32 scalar array, "
-            r"got .*; build states with init\(\)(?:$|\n)",
+            good_state._replace(stats=tuple(stats)),
+            TypeError,
+            "loss_scaled.update: state.stats must be the LossScaleStats returned by init(), "
+            "got tuple",
+        ),
+        (
+            good_state._replace(stats=stats._replace(skipped_steps=jnp.zeros([], jnp.float32))),
+            TypeError,
+            "loss_scaled.update: state.stats.skipped_steps must have dtype int32 (not weakly "
+            f"typed), got {array_type} of dtype float32 and shape (); build states with init()",
+        ),
+        (
+            # jnp.asarray(0) is a weakly typed int32: a jitted step would trace twice.
+            good_state._replace(stats=stats._replace(skipped_steps=jnp.asarray(0))),
+            TypeError,
+            "loss_scaled.update: state.stats.skipped_steps must have dtype int32 (not weakly "
+            f"typed), got {array_type} of dtype int32 and shape (), weakly typed; build states "
+            "with init()",
+        ),
+        (
+            # The whole state replicated over 8 devices for pmap, passed outside pmap.
+            jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (8,)), good_state),
+            ValueError,
+            "loss_scaled.update: state.stats.loss_scale must have shape (), got shape (8,); a "
+            "state replicated for pmap has scalar leaves only inside the pmapped function",
         ),
     ]
-    # Under jit, JAX appends a note on filtered traceback frames after a newline.
-    for state, message in cases:
+    for state, error, message in cases:
         before = snapshot((grads, state, params))
-        with pytest.raises(TypeError, match=message):
+        with pytest.raises(error, match=exact(message)):
             jit_or_eager(tx.update, grads, state, params)
         assert_unchanged((grads, state, params), before)
 
@@ -568,6 +684,126 @@ def test_non_array_gradient_leaf_names_the_path():
         tx.update(grads, state, params)
     assert grads == {"w": grads["w"], "layer": {"b": "oops"}}
     assert_unchanged((state, params), before)
+
+
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda ls: jls.loss_scaled(optax.sgd(0.1), ls),
+        lambda ls: optax.chain(optax.clip(1.0), jls.loss_scaled(optax.sgd(0.1), ls)),
+        lambda ls: optax.MultiSteps(jls.loss_scaled(optax.sgd(0.1), ls), 2),
+    ],
+    ids=["direct", "in-chain", "in-multisteps"],
+)
+def test_nested_loss_scaled_is_refused_at_init(make_inner):
+    ls = jls.DynamicLossScale()
+    tx = jls.loss_scaled(make_inner(ls), ls)
+    message = (
+        "loss_scaled: inner already holds a loss_scaled transformation; the gradients would be "
+        "unscaled twice. Use one loss_scaled around the whole optimizer"
+    )
+    with pytest.raises(ValueError, match=exact(message)):
+        tx.init({"w": jnp.ones(2)})
+
+
+class HalvingState(NamedTuple):
+    loss_scale: jax.Array
+    overflows: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class HalvingLossScale(jls.LossScale):
+    """A user's loss scale: halves on every overflow and never grows."""
+
+    initial: float = 8.0
+
+    def init(self) -> HalvingState:
+        return HalvingState(jnp.asarray(self.initial, jnp.float32), jnp.zeros([], jnp.int32))
+
+    def __call__(self, state: HalvingState) -> jax.Array:
+        return state.loss_scale
+
+    def update(self, state, grads, axis_name=None):
+        finite = jls.all_finite(grads, axis_name)
+        new_state = HalvingState(
+            jnp.where(finite, state.loss_scale, state.loss_scale / 2),
+            state.overflows + jnp.logical_not(finite).astype(jnp.int32),
+        )
+        return new_state, finite
+
+    def get_config(self) -> dict:
+        return {"initial": self.initial}
+
+
+@jls.register
+@dataclasses.dataclass(frozen=True)
+class RegisteredHalvingLossScale(HalvingLossScale):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class BadShouldApplyLossScale(HalvingLossScale):
+    """Returns `should_apply` in the form named by `returns`, never a bool scalar array."""
+
+    returns: str = "python-bool"
+
+    def update(self, state, grads, axis_name=None):
+        state, finite = super().update(state, grads, axis_name)
+        should_apply = {
+            "python-bool": True,
+            "float32-scalar": finite.astype(jnp.float32),
+            "bool-vector": jnp.stack([finite, finite]),
+        }[self.returns]
+        return state, should_apply
+
+
+@pytest.mark.parametrize("cls", [HalvingLossScale, RegisteredHalvingLossScale])
+def test_user_loss_scale_subclass(jit_or_eager, cls):
+    ls = cls(initial=8.0)
+    tx = jls.loss_scaled(optax.sgd(1.0), ls)
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = tx.init(params)
+    assert isinstance(opt_state.loss_scale_state, HalvingState)
+    true_grads = {"w": jnp.array([0.5, -0.25])}
+    expected = [(8.0, 0, True), (4.0, 1, False), (4.0, 1, True), (4.0, 1, True)]
+    for index, bad in enumerate([False, True, False, False]):
+        grads = scaled(true_grads, jls.get_loss_scale(opt_state))
+        if bad:
+            grads = with_bad_value(grads, jnp.inf)
+        updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+        if bad:
+            assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+        else:
+            assert_bits_equal(updates, {"w": jnp.array([-0.5, 0.25])})
+        assert stats_tuple(opt_state) == expected[index], index
+    assert int(opt_state.loss_scale_state.overflows) == 1
+    if cls is RegisteredHalvingLossScale:
+        assert jls.deserialize(jls.serialize(ls)) == ls
+
+
+@pytest.mark.parametrize(
+    ("returns", "eager_repr", "jit_repr"),
+    [
+        ("python-bool", "True", "True"),
+        ("float32-scalar", "Array(1., dtype=float32)", "JitTracer(float32[])"),
+        ("bool-vector", "Array([ True,  True], dtype=bool)", "JitTracer(bool[2])"),
+    ],
+    ids=["python-bool", "float32-scalar", "bool-vector"],
+)
+def test_should_apply_must_be_a_bool_scalar_array(
+    jit_or_eager, request, returns, eager_repr, jit_repr
+):
+    tx = jls.loss_scaled(optax.sgd(1.0), BadShouldApplyLossScale(returns=returns))
+    params = {"w": jnp.ones(2)}
+    opt_state = tx.init(params)
+    received = jit_repr if is_jit(request) else eager_repr
+    message = (
+        "loss_scaled: BadShouldApplyLossScale.update must return should_apply as a bool scalar "
+        f"array, got {received}"
+    )
+    # The first update raises, with finite gradients.
+    with pytest.raises(TypeError, match=exact(message)):
+        jit_or_eager(tx.update, {"w": jnp.ones(2)}, opt_state, params)
 
 
 # --- 7. extra arguments and params=None -----------------------------------------------------
@@ -610,9 +846,21 @@ def test_extra_args_reach_the_inner_transformation(jit_or_eager):
         tx.update({"w": jnp.ones(2)}, opt_state)
 
 
-def test_reduce_on_plateau_receives_the_loss_value(jit_or_eager):
+@pytest.mark.parametrize(
+    ("wrap", "plateau_of"),
+    [
+        (lambda inner: inner, lambda inner_state: inner_state[1]),
+        # MultiSteps is not a GradientTransformation: the wrapper forwards `value` to it.
+        (
+            lambda inner: optax.MultiSteps(inner, 1),
+            lambda inner_state: inner_state.inner_opt_state[1],
+        ),
+    ],
+    ids=["chain", "multisteps"],
+)
+def test_reduce_on_plateau_receives_the_loss_value(jit_or_eager, wrap, plateau_of):
     inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(factor=0.5, patience=2))
-    tx = jls.loss_scaled(inner, jls.DynamicLossScale(8.0, increment_period=100))
+    tx = jls.loss_scaled(wrap(inner), jls.DynamicLossScale(8.0, increment_period=100))
     params = {"w": jnp.zeros(2)}
     opt_state = tx.init(params)
 
@@ -625,7 +873,7 @@ def test_reduce_on_plateau_receives_the_loss_value(jit_or_eager):
     for value, lr_scale in zip(values, lr_scales, strict=True):
         updates, opt_state = jit_or_eager(step, grads, opt_state, params, value)
         chex.assert_trees_all_equal(updates, {"w": jnp.array([-lr_scale, lr_scale])})
-    plateau = opt_state.inner_state[1]
+    plateau = plateau_of(opt_state.inner_state)
     assert float(plateau.best_value) == 1.0
     assert float(plateau.scale) == 0.5
     # A skipped step does not feed its value to the plateau detector.
@@ -648,6 +896,82 @@ def test_params_none(jit_or_eager, make_inner):
     updates, opt_state = jit_or_eager(step, {"w": jnp.array([jnp.nan, 0.0])}, opt_state)
     assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
     assert stats_tuple(opt_state) == (8.0, 1, False)
+
+
+def passthrough_integers() -> optax.GradientTransformation:
+    """sgd(1.0) on floating leaves; integer leaves come out as they came in."""
+
+    def negate_floating(update):
+        return -update if jnp.issubdtype(update.dtype, jnp.inexact) else update
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(negate_floating, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+@pytest.mark.parametrize(
+    ("inner", "params", "grads", "applied", "bad_grads", "skipped"),
+    [
+        (
+            optax.sgd(1.0),
+            {"w": jnp.array([1.0, 2.0]), "frozen": None},
+            {"w": jnp.array([4.0, -8.0]), "frozen": None},
+            {"w": jnp.array([-1.0, 2.0]), "frozen": None},
+            {"w": jnp.array([jnp.nan, 0.0]), "frozen": None},
+            {"w": jnp.array([-0.0, -0.0]), "frozen": None},
+        ),
+        (
+            passthrough_integers(),
+            {"w": jnp.array([1.0, 2.0]), "n": jnp.array([3, 4], jnp.int32)},
+            # Integer leaves are not unscaled: 12 stays 12 at scale 4.
+            {"w": jnp.array([4.0, -8.0]), "n": jnp.array([12, -5], jnp.int32)},
+            {"w": jnp.array([-1.0, 2.0]), "n": jnp.array([12, -5], jnp.int32)},
+            {"w": jnp.array([jnp.inf, 0.0]), "n": jnp.array([12, -5], jnp.int32)},
+            {"w": jnp.array([-0.0, -0.0]), "n": jnp.array([0, 0], jnp.int32)},
+        ),
+        (optax.adam(0.1), {}, {}, {}, None, None),
+    ],
+    ids=["none-leaves", "integer-leaves", "empty-tree"],
+)
+def test_tree_edge_cases(jit_or_eager, inner, params, grads, applied, bad_grads, skipped):
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(4.0, increment_period=1))
+    opt_state = tx.init(params)
+    updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+    assert_bits_equal(updates, applied)
+    assert stats_tuple(opt_state) == (8.0, 0, True)
+    if bad_grads is None:
+        return
+    updates, skipped_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
+    assert_bits_equal(updates, skipped)
+    assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert_bits_equal(skipped_state.inner_state, opt_state.inner_state)
+    assert stats_tuple(skipped_state) == (4.0, 1, False)
+
+
+def test_vmap_over_update_skips_per_member(jit_or_eager):
+    tx = jls.loss_scaled(
+        optax.sgd(1.0, momentum=0.5), jls.DynamicLossScale(8.0, increment_period=1)
+    )
+    params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])}
+    opt_state = jax.vmap(tx.init)(params)
+    grads = {"w": jnp.array([[8.0, -16.0], [jnp.inf, 8.0], [4.0, 0.0]])}
+    updates, opt_state = jit_or_eager(jax.vmap(tx.update), grads, opt_state, params)
+    expected = {"w": jnp.array([[-1.0, 2.0], [-0.0, -0.0], [-0.5, -0.0]])}
+    assert_bits_equal(updates, expected)
+    # The momentum of the member that skipped stays at its initial zeros.
+    trace = {"w": jnp.array([[1.0, -2.0], [0.0, 0.0], [0.5, 0.0]])}
+    assert_bits_equal(opt_state.inner_state[0].trace, trace)
+    chex.assert_trees_all_equal(
+        opt_state.stats,
+        jls.LossScaleStats(
+            loss_scale=jnp.array([16.0, 4.0, 16.0]),
+            skipped_steps=jnp.array([0, 1, 0], jnp.int32),
+            last_step_applied=jnp.array([True, False, True]),
+        ),
+        strict=True,
+    )
 
 
 # --- 8. a jitted train step -----------------------------------------------------------------

@@ -241,6 +241,75 @@ def test_without_axis_name_devices_decide_alone(runner):
     np.testing.assert_array_equal(applied, [True, True, False, True, True, True, True, True])
 
 
+@functools.cache
+def _replicated_state_step():
+    """A shard_map step on replicated params and state with per-device gradients.
+
+    Adam's new state varies per device while the old one, kept on a skip, does not: the
+    two branches of the library's `cond` must still agree on the type under check_vma.
+    Results come out per device, stacked on a leading axis.
+    """
+    tx = _tx(AXIS)
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+
+    def per_device(params, opt_state, grads):
+        out = _train_step(tx, params, opt_state, jax.tree.map(lambda g: g[0], grads))
+        return jax.tree.map(lambda x: x[None], out)
+
+    replicated, sharded = PartitionSpec(), PartitionSpec(AXIS)
+    mapped = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(replicated, replicated, sharded), out_specs=sharded
+    )
+    return jax.jit(mapped), tx
+
+
+def _trained_once(tx):
+    """Params and state after one applied step, so that adam's moments are not zero."""
+    params, opt_state, _ = _reference_step()(_params(), tx.init(_params()), _grads(0, 0))
+    return jax.device_get((params, opt_state))
+
+
+@pytest.mark.parametrize(("device", "value"), [(0, np.nan), (6, -np.inf)])
+def test_shard_map_replicated_state_one_device_overflow_skips_all(device, value):
+    step_fn, tx = _replicated_state_step()
+    params, opt_state = _trained_once(tx)
+    grads = [_grads(1, d) for d in range(NUM_DEVICES)]
+    grads[device]["w"][2, 1] = value
+
+    new_params, new_state, updates = jax.device_get(step_fn(params, opt_state, _stack(grads)))
+
+    chex.assert_trees_all_equal(new_params, _replicate(params))
+    chex.assert_trees_all_equal(new_state.inner_state, _replicate(opt_state.inner_state))
+    for leaf in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(np.signbit(leaf), True)
+    chex.assert_trees_all_equal(
+        (new_state.loss_scale_state, new_state.stats),
+        _replicate(
+            (
+                jls.DynamicLossScaleState(np.float32(512.0), np.int32(0), np.int32(1)),
+                jls.LossScaleStats(np.float32(512.0), np.int32(1), np.bool_(False)),
+            )
+        ),
+    )
+
+
+def test_shard_map_replicated_state_all_finite_each_device_applies_its_own():
+    step_fn, tx = _replicated_state_step()
+    params, opt_state = _trained_once(tx)
+    grads = [_grads(1, d) for d in range(NUM_DEVICES)]
+
+    outputs = jax.device_get(step_fn(params, opt_state, _stack(grads)))
+
+    for device in range(NUM_DEVICES):
+        expected = _reference_step()(params, opt_state, grads[device])
+        chex.assert_trees_all_equal(_on_device(outputs, device), expected)
+        chex.assert_trees_all_equal(
+            expected[1].stats, jls.LossScaleStats(np.float32(2048.0), np.int32(0), np.bool_(True))
+        )
+    mu_w = outputs[1].inner_state[0].mu["w"]
+    assert not np.array_equal(mu_w[0], mu_w[1])  # each device's state is its own
+
+
 def _spmd_setup():
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     shardings = {
@@ -368,7 +437,7 @@ def _reference_run() -> tuple[list[bool], dict[str, np.ndarray]]:
     opt_state = tx.init(params)
     applied = []
     for i in range(worker.NUM_STEPS):
-        params, opt_state = step(params, opt_state, worker.reference_batch(i, 2))
+        params, opt_state, _ = step(params, opt_state, worker.reference_batch(i, 2))
         applied.append(bool(jls.get_loss_scale_stats(opt_state).last_step_applied))
     return applied, params
 
@@ -383,6 +452,12 @@ def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
         assert (result["process_id"], result["process_count"]) == (i, 2)
         assert (result["global_devices"], result["local_devices"]) == (4, 2)
         assert result["applied"] == expected_applied
+        # The overflow reached only the injecting process's own shards of `w`'s gradient.
+        injecting = i == worker.INJECTING_PROCESS
+        assert result["local_grads_finite"] == [
+            {"b": True, "w": not (injecting and step in worker.OVERFLOW_STEPS)}
+            for step in range(worker.NUM_STEPS)
+        ]
         assert result["scales"] == [1024.0, 512.0, 512.0, 1024.0, 512.0, 512.0]
         assert result["loss_scale_state"] == {
             "loss_scale": 512.0,
@@ -399,5 +474,10 @@ def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
             np.testing.assert_array_equal(
                 np.asarray(result["params"][name], np.float32), value, err_msg=name, strict=True
             )
+    # The other process skipped although every gradient it held was finite.
+    other = results[1 - worker.INJECTING_PROCESS]
+    for step in worker.OVERFLOW_STEPS:
+        assert other["local_grads_finite"][step] == {"b": True, "w": True}
+        assert other["applied"][step] is False
     assert results[0]["local_b"] == results[1]["local_b"]
     assert results[0]["params_sha256"] == results[1]["params_sha256"]
