@@ -87,11 +87,22 @@ def multiply_floating(tree: PyTree, factor: jax.Array) -> PyTree:
 def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
     """`leaf / divisor` for each floating leaf, computed in float32 or wider, in the leaf's dtype.
 
-    XLA computes a division by a scalar as a multiplication by its reciprocal, which
-    is exact when the divisor is a power of two, as every scale of a
-    `DynamicLossScale` with a power-of-two `multiplier` is.
+    Each leaf is multiplied by the reciprocal of `divisor` rather than divided by it:
+    a multiplication is cheap enough for XLA to fuse it into every consumer, where a
+    division would be computed once and kept in memory. The result is exact when
+    `divisor` is a power of two, as every scale of a `DynamicLossScale` with a
+    power-of-two `multiplier` is. The reciprocal is taken in two factors, the second
+    1.0 unless `divisor` exceeds 2**126, so that it never becomes a subnormal number
+    (which XLA flushes to zero on some backends).
     """
-    return _map_floating(lambda leaf, wide: leaf.astype(wide) / divisor.astype(wide), tree)
+    divisor = divisor.astype(jnp.float32)
+    bounded = jnp.minimum(divisor, np.float32(2.0**126))
+    reciprocal, correction = 1 / bounded, bounded / divisor
+
+    def unscale(leaf, wide):
+        return leaf.astype(wide) * reciprocal.astype(wide) * correction.astype(wide)
+
+    return _map_floating(unscale, tree)
 
 
 def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> PyTree:

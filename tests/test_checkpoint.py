@@ -411,5 +411,12 @@ def test_sharded_state_restores_with_requested_shardings(tmp_path, layout):
     resumed_params, resumed_state, _ = _run(
         step, restored["params"], restored["opt_state"], range(save_after + 1, STEPS)
     )
-    _assert_bitwise_equal(resumed_params, final_params)
-    _assert_bitwise_equal(resumed_state, final_state)
+    if layout == "rows_on_8":  # the layout it was saved in: the same program, the same bits
+        _assert_bitwise_equal(resumed_params, final_params)
+        _assert_bitwise_equal(resumed_state, final_state)
+    else:  # another layout compiles another program; XLA may contract multiply-adds otherwise
+        chex.assert_trees_all_close(resumed_params, final_params, rtol=1e-6, atol=0)
+        chex.assert_trees_all_close(resumed_state, final_state, rtol=1e-6, atol=0)
+        chex.assert_trees_all_equal(
+            _wrapper_state(resumed_state).stats, _wrapper_state(final_state).stats
+        )

@@ -263,3 +263,14 @@ def test_float8_leaves_compute_in_float32_and_keep_their_dtype(jit_or_eager, dty
     x = jnp.array([2.0, -0.5, 0.0], dtype)
     out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(4.0)), {"g": x})
     chex.assert_trees_all_equal(out, {"g": jnp.array([0.5, -0.125, 0.0], dtype)}, strict=True)
+
+
+@pytest.mark.parametrize("scale", [2.0**126, 2.0**127, 3.0 * 2.0**126])
+def test_unscale_by_a_scale_whose_reciprocal_is_subnormal(jit_or_eager, scale):
+    # 1 / scale is below the smallest normal float32, which XLA on CPU flushes to zero.
+    ls = jls.FixedLossScale(scale)
+    grads = {"w": jnp.array([0.5, -1.0, 0.0], jnp.float32) * np.float32(scale)}
+    unscaled = jit_or_eager(ls.unscale, ls.init(), grads)
+    np.testing.assert_allclose(unscaled["w"], [0.5, -1.0, 0.0], rtol=2e-7)
+    if scale != 3.0 * 2.0**126:  # powers of two unscale exactly
+        np.testing.assert_array_equal(unscaled["w"], np.array([0.5, -1.0, 0.0], np.float32))

@@ -64,7 +64,7 @@ def is_jit(request) -> bool:
 # --- 1. data flow ---------------------------------------------------------------------------
 
 
-def test_finite_steps_equal_inner_on_true_grads_and_scale_trajectory(jit_or_eager):
+def test_finite_steps_equal_inner_on_true_grads_and_scale_trajectory(jit_or_eager, request):
     inner = optax.adam(0.1)
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=4.0, increment_period=2))
     params = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array(0.25)}
@@ -87,8 +87,15 @@ def test_finite_steps_equal_inner_on_true_grads_and_scale_trajectory(jit_or_eage
         updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
         if flag == "T":
             ref_updates, ref_state = jit_or_eager(inner.update, true_grads, ref_state, params)
-            assert_bits_equal(updates, ref_updates)
-            assert_bits_equal(opt_state.inner_state, ref_state)
+            if is_jit(request):
+                # Two programs: XLA fuses the unscaling into adam's loops and may contract
+                # multiply-adds differently, so the last bit may differ.
+                chex.assert_trees_all_close(updates, ref_updates, rtol=2.5e-7, atol=0)
+                chex.assert_trees_all_close(opt_state.inner_state, ref_state, rtol=2.5e-7, atol=0)
+                ref_state = opt_state.inner_state  # compare the next step from the same state
+            else:
+                assert_bits_equal(updates, ref_updates)
+                assert_bits_equal(opt_state.inner_state, ref_state)
             params = optax.apply_updates(params, updates)
         else:
             assert_bits_equal(opt_state.inner_state, before.inner_state)
