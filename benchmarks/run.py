@@ -1,0 +1,379 @@
+"""The benchmark runner: `python -m benchmarks --help`.
+
+Every case runs all contenders in the same process, interleaved (A B C A B C ...), with
+params and optimizer state donated as in real training, and reports medians and their
+ratios to the bare optimizer measured in the same run.
+"""
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks import contenders as contenders_module
+
+OPTIMIZERS = {"adam": lambda: optax.adam(1e-3), "sgd": lambda: optax.sgd(1e-3)}
+CASES = ("step", "mlp", "compile", "memory", "traces")
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = _parse(argv)
+    results: dict[str, Any] = {"machine": _machine(), "command": _command(argv), "cases": {}}
+    for case in args.cases:
+        rows = CASE_RUNNERS[case](args)
+        results["cases"][case] = rows
+        print(_table(case, rows), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=1)
+        print(f"wrote {args.json}")
+    return results
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {CASES}")
+    parser.add_argument("--optimizers", default="adam,sgd", help="comma-separated, of adam, sgd")
+    parser.add_argument("--sizes", default="1M,8M,64M", help="parameter counts for the step case")
+    parser.add_argument("--leaves", default="16,64,1024", help="leaf counts for the step case")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per contender")
+    parser.add_argument("--compile-leaves", type=int, default=1024)
+    parser.add_argument("--compile-repeats", type=int, default=5)
+    parser.add_argument("--mlp-width", type=int, default=1024)
+    parser.add_argument("--mlp-depth", type=int, default=4)
+    parser.add_argument("--mlp-batch", type=int, default=256)
+    parser.add_argument(
+        "--compile-budget",
+        type=float,
+        default=60.0,
+        help="skip a contender at a leaf count where its compile would take longer than this "
+        "many seconds, extrapolated quadratically from a smaller leaf count",
+    )
+    parser.add_argument("--json", default="benchmarks/results.json", help="where to write JSON")
+    args = parser.parse_args(argv)
+    args.cases = _split(args.cases, CASES)
+    args.optimizers = _split(args.optimizers, tuple(OPTIMIZERS))
+    args.sizes = [_count(size) for size in args.sizes.split(",")]
+    args.leaves = [int(leaves) for leaves in args.leaves.split(",")]
+    return args
+
+
+def _split(text: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    for item in items:
+        if item not in allowed:
+            raise SystemExit(f"unknown choice {item!r}; expected some of {', '.join(allowed)}")
+    return items
+
+
+def _count(text: str) -> int:
+    text = text.strip().upper()
+    multiplier = {"K": 10**3, "M": 10**6}.get(text[-1:], 1)
+    return int(float(text.rstrip("KM")) * multiplier)
+
+
+# --- the cases ------------------------------------------------------------------------------
+
+
+def run_step(args) -> list[dict]:
+    """The optimizer step alone: `update` then `optax.apply_updates`, jitted and donated."""
+    rows = []
+    budget = _CompileBudget(args.compile_budget)
+    for optimizer in args.optimizers:
+        for size in args.sizes:
+            for leaves in sorted(args.leaves):
+                params, grads = _params_and_grads(size, leaves)
+                scaled = jax.tree.map(lambda g: g * contenders_module.LOSS_SCALE, grads)
+                runners, skipped = {}, {}
+                for contender in _contenders(optimizer):
+                    estimate = budget.estimate(contender.name, leaves)
+                    if estimate is not None:
+                        skipped[contender.name] = f"compile would take ~{estimate:.0f} s"
+                        continue
+                    inputs = scaled if contender.scales_loss else grads
+                    runner = _Runner(contender.optimizer_step, contender.init, params, inputs)
+                    budget.record(contender.name, leaves, runner.compile_seconds)
+                    runners[contender.name] = runner
+                medians = _interleaved_medians(runners, args.repeats)
+                rows.append(_row(optimizer, size, leaves, medians, skipped=skipped))
+                del runners
+    return rows
+
+
+def run_mlp(args) -> list[dict]:
+    """A full float16 training step of an MLP with float32 master params."""
+    rows = []
+    for optimizer in args.optimizers:
+        params, batch = _mlp(args.mlp_width, args.mlp_depth, args.mlp_batch)
+        runners = {}
+        for contender in _contenders(optimizer):
+            step = functools.partial(_mlp_train_step, contender.train_step)
+            runners[contender.name] = _Runner(step, contender.init, params, batch)
+        medians = _interleaved_medians(runners, args.repeats)
+        size = sum(leaf.size for leaf in jax.tree.leaves(params))
+        rows.append(_row(optimizer, size, len(jax.tree.leaves(params)), medians))
+    return rows
+
+
+def run_compile(args) -> list[dict]:
+    """Seconds to trace, lower and compile the donated optimizer step, at 1/16 and all leaves."""
+    rows = []
+    budget = _CompileBudget(args.compile_budget)
+    for optimizer in args.optimizers:
+        for leaves in sorted({max(args.compile_leaves // 16, 1), args.compile_leaves}):
+            params, grads = _params_and_grads(leaves * 64, leaves)
+            times: dict[str, list[float]] = {}
+            skipped = {}
+            for _ in range(args.compile_repeats):
+                for contender in _contenders(optimizer):
+                    estimate = budget.estimate(contender.name, leaves)
+                    if estimate is not None:
+                        skipped[contender.name] = f"compile would take ~{estimate:.0f} s"
+                        continue
+                    jax.clear_caches()
+                    state = jax.eval_shape(contender.init, params)
+                    start = time.perf_counter()
+                    step = jax.jit(contender.optimizer_step, donate_argnums=(0, 1))
+                    step.lower(params, state, grads).compile()
+                    seconds = time.perf_counter() - start
+                    times.setdefault(contender.name, []).append(seconds)
+                    budget.record(contender.name, leaves, seconds)
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            rows.append(_row(optimizer, leaves * 64, leaves, medians, skipped=skipped))
+    return rows
+
+
+def run_memory(args) -> list[dict]:
+    """XLA's temp buffer size for the compiled, donated optimizer step."""
+    rows = []
+    for optimizer in args.optimizers:
+        for size in args.sizes:
+            leaves = 64 if 64 in args.leaves else args.leaves[0]
+            params, grads = _params_and_grads(size, leaves)
+            temp = {}
+            for contender in _contenders(optimizer):
+                state = jax.eval_shape(contender.init, params)
+                compiled = (
+                    jax.jit(contender.optimizer_step, donate_argnums=(0, 1))
+                    .lower(params, state, grads)
+                    .compile()
+                )
+                temp[contender.name] = compiled.memory_analysis().temp_size_in_bytes
+            row = _row(optimizer, size, leaves, temp, unit="bytes", ratios=False)
+            row["gradient_bytes"] = size * 4
+            rows.append(row)
+    return rows
+
+
+def run_traces(args) -> list[dict]:
+    """How often each contender's jitted step is traced over 100 steps with overflows."""
+    rows = []
+    for optimizer in args.optimizers:
+        params, grads = _params_and_grads(4096, 16)
+        counts = {}
+        for contender in _contenders(optimizer):
+            count = [0]
+
+            def counted(p, s, g, step=contender.optimizer_step, count=count):
+                count[0] += 1
+                return step(p, s, g)
+
+            step = jax.jit(counted, donate_argnums=(0, 1))
+            p = jax.tree.map(jnp.copy, params)
+            s = contender.init(p)
+            for index in range(100):
+                factor = np.float32(np.inf) if index % 10 == 3 else np.float32(1.0)
+                p, s = step(p, s, jax.tree.map(lambda g, f=factor: g * f, grads))
+            counts[contender.name] = count[0]
+        rows.append(_row(optimizer, 4096, 16, counts, unit="traces", ratios=False))
+    return rows
+
+
+CASE_RUNNERS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
+    "step": run_step,
+    "mlp": run_mlp,
+    "compile": run_compile,
+    "memory": run_memory,
+    "traces": run_traces,
+}
+
+
+# --- measurement ----------------------------------------------------------------------------
+
+
+class _Runner:
+    """One contender's compiled step with its own donated params and state."""
+
+    def __init__(self, step, init, params, inputs):
+        self.inputs = inputs
+        self.params = _fresh_buffers(params)
+        self.state = _fresh_buffers(init(self.params))  # donation needs distinct buffers
+        start = time.perf_counter()
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        self.step = jitted.lower(self.params, self.state, inputs).compile()
+        self.compile_seconds = time.perf_counter() - start
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        self.params, self.state = self.step(self.params, self.state, self.inputs)
+        jax.block_until_ready((self.params, self.state))
+        return time.perf_counter() - start
+
+
+class _CompileBudget:
+    """Skips contenders whose compile time, growing with the leaf count, would exceed a budget."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.measured: dict[str, tuple[int, float]] = {}
+
+    def record(self, name: str, leaves: int, seconds: float) -> None:
+        self.measured[name] = (leaves, seconds)
+
+    def estimate(self, name: str, leaves: int) -> float | None:
+        """The extrapolated compile time if it is over budget, else None."""
+        if name not in self.measured:
+            return None
+        measured_leaves, seconds = self.measured[name]
+        estimate = seconds * (leaves / measured_leaves) ** 2
+        return estimate if estimate > self.seconds else None
+
+
+def _fresh_buffers(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _interleaved_medians(runners: dict[str, _Runner], repeats: int) -> dict[str, float]:
+    for runner in runners.values():  # compile and warm up
+        runner()
+        runner()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            times[name].append(runner())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _contenders(optimizer: str) -> list[contenders_module.Contender]:
+    return [make(OPTIMIZERS[optimizer]()) for make in contenders_module.ALL]
+
+
+def _row(optimizer, size, leaves, values, *, unit="s", ratios=True, skipped=None) -> dict:
+    row = {"optimizer": optimizer, "params": size, "leaves": leaves, "unit": unit, "values": values}
+    if ratios:
+        row["ratio_to_bare"] = {name: value / values["bare"] for name, value in values.items()}
+    if skipped:
+        row["skipped"] = skipped
+    return row
+
+
+def _params_and_grads(size: int, leaves: int) -> tuple[dict, dict]:
+    per_leaf = size // leaves
+    keys = jax.random.split(jax.random.key(0), 2 * leaves)
+    params = {
+        f"layer_{i:04d}": jax.random.normal(keys[2 * i], (per_leaf,), jnp.float32) * 0.02
+        for i in range(leaves)
+    }
+    grads = {
+        f"layer_{i:04d}": jax.random.normal(keys[2 * i + 1], (per_leaf,), jnp.float32) * 1e-4
+        for i in range(leaves)
+    }
+    return params, grads
+
+
+def _mlp(width: int, depth: int, batch: int) -> tuple[dict, tuple]:
+    keys = jax.random.split(jax.random.key(1), depth + 2)
+    params = {
+        f"dense_{i}": {
+            "w": jax.random.normal(keys[i], (width, width), jnp.float32) / np.sqrt(width),
+            "b": jnp.zeros((width,), jnp.float32),
+        }
+        for i in range(depth)
+    }
+    x = jax.random.normal(keys[-2], (batch, width), jnp.float32)
+    y = jax.random.normal(keys[-1], (batch, width), jnp.float32)
+    return params, (x, y)
+
+
+def _mlp_train_step(train_step, params, state, batch):
+    return train_step(params, state, _mlp_loss, batch)
+
+
+def _mlp_loss(params: dict, batch: tuple) -> jax.Array:
+    x, y = batch
+    h = x.astype(jnp.float16)
+    for index, layer in enumerate(params.values()):
+        h = h @ layer["w"].astype(jnp.float16) + layer["b"].astype(jnp.float16)
+        if index < len(params) - 1:
+            h = jax.nn.relu(h)
+    return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def _table(case: str, rows: list[dict]) -> str:
+    if not rows:
+        return f"{case}: nothing to report"
+    names = list(
+        dict.fromkeys(name for row in rows for name in (*row["values"], *row.get("skipped", {})))
+    )
+    header = ["optimizer", "params", "leaves", *names]
+    ratio_note = ", ratio to bare" if "ratio_to_bare" in rows[0] else ""
+    lines = [f"\n## {case} ({rows[0]['unit']}{ratio_note})"]
+    lines.append(" | ".join(header))
+    for row in rows:
+        cells = [row["optimizer"], _human(row["params"]), str(row["leaves"])]
+        for name in names:
+            if name not in row["values"]:
+                cells.append(f"skipped: {row.get('skipped', {}).get(name, 'not run')}")
+                continue
+            value = row["values"][name]
+            if "ratio_to_bare" in row:
+                cells.append(f"{_format(value, row['unit'])} ({row['ratio_to_bare'][name]:.2f}x)")
+            else:
+                cells.append(_format(value, row["unit"]))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def _format(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.2f} s"
+    if unit == "bytes":
+        return f"{value / 2**20:.1f} MiB"
+    return str(value)
+
+
+def _human(count: int) -> str:
+    return f"{count / 1e6:g}M" if count >= 10**6 else f"{count / 1e3:g}K"
+
+
+def _machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(device) for device in jax.devices()],
+    }
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    import sys
+
+    return "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
