@@ -58,7 +58,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=60.0,
         help="skip a contender at a leaf count where its compile would take longer than this "
-        "many seconds, extrapolated quadratically from a smaller leaf count",
+        "many seconds, extrapolated as leaves**1.5 from a smaller leaf count",
     )
     parser.add_argument("--json", default="benchmarks/results.json", help="where to write JSON")
     args = parser.parse_args(argv)
@@ -246,7 +246,7 @@ class _CompileBudget:
         if name not in self.measured:
             return None
         measured_leaves, seconds = self.measured[name]
-        estimate = seconds * (leaves / measured_leaves) ** 2
+        estimate = seconds * (leaves / measured_leaves) ** 1.5
         return estimate if estimate > self.seconds else None
 
 
