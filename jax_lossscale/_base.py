@@ -130,16 +130,21 @@ class LossScale(abc.ABC):
 
     def _checked_scale(self, state: PyTree) -> jax.Array:
         loss_scale = self(state)
-        if not (
-            isinstance(loss_scale, jax.Array | np.ndarray | np.generic)
-            and loss_scale.shape == ()
-            and loss_scale.dtype == np.float32
-        ):
+        if not is_scalar_array(loss_scale, np.float32):
             raise TypeError(
                 f"{type(self).__name__}.__call__ must return a float32 scalar array, got "
                 f"{_describe(loss_scale)}"
             )
         return loss_scale
+
+
+def is_scalar_array(value: Any, dtype: Any) -> bool:
+    """Whether `value` is a scalar array (or tracer) of exactly `dtype`."""
+    return (
+        isinstance(value, jax.Array | np.ndarray | np.generic)
+        and value.shape == ()
+        and value.dtype == dtype
+    )
 
 
 def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._base import LossScale, check_named_arrays
+from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array
 from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, short_repr
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -271,11 +271,7 @@ def _check_wrapper_state(state: Any) -> None:
 
 
 def _check_should_apply(loss_scale: LossScale, should_apply: Any) -> None:
-    if not (
-        isinstance(should_apply, jax.Array | np.ndarray | np.generic)
-        and should_apply.shape == ()
-        and should_apply.dtype == np.bool_
-    ):
+    if not is_scalar_array(should_apply, np.bool_):
         raise TypeError(
             f"loss_scaled: {type(loss_scale).__name__}.update must return should_apply as a "
             f"bool scalar array, got {short_repr(should_apply)}"
