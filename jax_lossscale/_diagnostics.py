@@ -18,7 +18,8 @@ def count_non_finite(tree: PyTree) -> PyTree:
       tree: a pytree of arrays, typically the (scaled or unscaled) gradients.
 
     Returns:
-      A pytree of the same structure whose leaves are int32 scalar arrays.
+      A pytree of the same structure whose leaves are int32 scalar arrays. A count
+      stops at 2**31 - 1, for leaves with more non-finite entries than that.
 
     Example:
       >>> import jax.numpy as jnp
@@ -36,9 +37,29 @@ def _count_non_finite(tree: PyTree) -> PyTree:
     def count(leaf: jax.Array) -> jax.Array:
         if not is_floating(leaf):
             return jnp.zeros([], jnp.int32)
-        return jnp.logical_not(jnp.isfinite(leaf)).sum(dtype=jnp.int32)
+        return saturating_count(jnp.logical_not(jnp.isfinite(leaf)))
 
     return jax.tree.map(count, tree)
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def saturating_count(flags: jax.Array, chunk: int = _INT32_MAX) -> jax.Array:
+    """The number of true entries of `flags`, an int32 that stops at 2**31 - 1.
+
+    An array of at most `chunk` (2**31 - 1) entries is counted at once in int32. A
+    larger one is counted chunk by chunk, the running total kept in uint32 (which
+    holds 2**31 - 1 plus one chunk's count) and stopped at 2**31 - 1 after each chunk.
+    """
+    flags = flags.reshape(-1)
+    if flags.size <= chunk:
+        return flags.sum(dtype=jnp.int32)
+    total = jnp.zeros([], jnp.uint32)
+    for start in range(0, flags.size, chunk):
+        part = flags[start : start + chunk].sum(dtype=jnp.uint32)
+        total = jnp.minimum(total + part, np.uint32(_INT32_MAX))
+    return total.astype(jnp.int32)
 
 
 def non_finite_paths(counts: PyTree) -> dict[str, int]:

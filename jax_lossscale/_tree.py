@@ -50,6 +50,11 @@ def check_axis_name(axis_name: Any, *, caller: str, require_bound: bool = True) 
             f"{caller}: axis_name={axis_name!r} must be None, an axis name (a string or "
             "other hashable, not an integer) or a tuple of axis names"
         )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"{caller}: axis_name={axis_name!r} names an axis more than once; each axis "
+            "may appear once"
+        )
     if require_bound:
         try:
             jax.lax.axis_size(axis_name)
@@ -119,16 +124,23 @@ def any_nan(tree: PyTree) -> jax.Array:
 
     Each leaf's test is the dot product of the leaf with itself (of its real and
     imaginary parts, for complex leaves), a sum of squares that is NaN exactly when
-    the leaf holds a NaN, since infinities square to +inf. XLA runs it as a library
-    call reading the leaf in place, cheap to compile, where a reduction of booleans
-    would first write them out.
+    the leaf holds a NaN, since infinities square to +inf. It is accumulated in
+    float32 or wider: 8-bit floats without an infinity would turn an overflowing
+    square into NaN. XLA runs it as a library call reading the leaf in place, cheap
+    to compile, where a reduction of booleans would first write them out.
     """
-    squares = []
+    flags = []
     for leaf in jax.tree.leaves(tree):
         if is_floating(leaf):
             parts = [leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf]
-            squares += [jnp.vdot(part, part) for part in parts]
-    return jnp.isnan(jnp.stack(squares)).any() if squares else jnp.array(False)
+            flags += [jnp.isnan(_sum_of_squares(part)) for part in parts]
+    return jnp.stack(flags).any() if flags else jnp.array(False)
+
+
+def _sum_of_squares(part: jax.Array) -> jax.Array:
+    if jnp.finfo(part.dtype).bits >= 16:
+        return jnp.vdot(part, part)
+    return jnp.vdot(part, part, preferred_element_type=jnp.float32)
 
 
 @jax.jit

@@ -20,14 +20,28 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 
 def fail(owner: str, name: str, value: Any, requirement: str, error: type = ValueError):
     """Raises `error` with a message that names the argument and the value received."""
-    raise error(f"{owner}({name}={value!r}): {name} must be {requirement}")
+    raise error(f"{owner}({name}={describe(value)}): {name} must be {requirement}")
+
+
+def describe(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, shortened in the middle when longer than `limit` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's limit on digits for str()
+        return f"<{type(value).__name__} of {value.bit_length()} bits>"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-(limit // 4) :]}"
 
 
 def real(owner: str, name: str, value: Any) -> float:
     """A finite real number that float32 can hold, rounded to float32."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail(owner, name, value, "a real number", TypeError)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int or Fraction beyond every float
+        fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
     if not math.isfinite(number):
         fail(owner, name, value, "finite")
     if abs(number) > FLOAT32_MAX:

@@ -13,6 +13,7 @@ import math
 import re
 from collections import namedtuple
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import chex
@@ -177,6 +178,54 @@ for _name, (_optional, _cls, _specific) in _REAL_PARAMS.items():
     add_hyperparameter(_cls, {**_base, _name: 1e39}, _name, ValueError, F32_MAX_TEXT)
     for _value, _requirement in _specific:
         add_hyperparameter(_cls, {**_base, _name: _value}, _name, ValueError, _requirement)
+
+# Numbers beyond every float (Python raises OverflowError converting them) and a repr too
+# long to print whole: the message shows the value shortened in the middle.
+_HUGE = 10**400
+_HUGE_TEXT = "1" + "0" * 39 + "..." + "0" * 20
+_HUGE_NUMBERS = [
+    ("10**400", _HUGE, _HUGE_TEXT),
+    ("-10**400", -_HUGE, "-" + "1" + "0" * 38 + "..." + "0" * 20),
+    (
+        "Fraction(10**400, 3)",
+        Fraction(_HUGE, 3),
+        "Fraction(" + "1" + "0" * 30 + "..." + "0" * 16 + ", 3)",
+    ),
+    ("10**5000", 10**5000, "<int of 16610 bits>"),  # beyond Python's limit for str(int)
+]
+for _name, (_optional, _cls, _specific) in _REAL_PARAMS.items():
+    _base = {"loss_scale_value": 4.0} if _cls is jls.FixedLossScale else {}
+    for _id, _value, _text in _HUGE_NUMBERS:
+        add(
+            f"{_cls.__name__}({_name}={_id})",
+            _construct(_cls),
+            {**_base, _name: _value},
+            error=ValueError,
+            arg=_name,
+            value=_text,
+            message=f"{_cls.__name__}({_name}={_text}): {_name} must be {F32_MAX_TEXT}",
+        )
+for _id, _value, _text in _HUGE_NUMBERS:
+    _fixed_message = f"FixedLossScale(loss_scale_value={_text}): loss_scale_value must be "
+    add(
+        f"get(identifier={_id})",
+        jls.get,
+        _value,
+        error=ValueError,
+        arg="loss_scale_value",
+        value=_text,
+        message=_fixed_message + F32_MAX_TEXT,
+    )
+    add(
+        f"deserialize(initial_loss_scale={_id})",
+        jls.deserialize,
+        {"class_name": "DynamicLossScale", "config": {"initial_loss_scale": _value}},
+        error=ValueError,
+        arg="initial_loss_scale",
+        value=_text,
+        message=f"DynamicLossScale(initial_loss_scale={_text}): initial_loss_scale must be "
+        + F32_MAX_TEXT,
+    )
 
 for _name in ["increment_period", "hysteresis"]:
     for _value in ["2", None, [2], True, 2.0, 2 + 0j, NAN, np.float32(2.0)]:
@@ -497,6 +546,33 @@ add(
     value="'batch'",
     traced=True,
 )
+for _id, _axis_name in [("repeated", ("batch", "batch")), ("repeated_of_three", ("a", "b", "a"))]:
+    _repeated = f"axis_name={_axis_name!r} names an axis more than once; each axis may appear once"
+    add(
+        f"loss_scaled-axis_name={_id}",
+        lambda inner, ls, axis_name=_axis_name: jls.loss_scaled(inner, ls, axis_name=axis_name),
+        optax.sgd(0.1),
+        DYN,
+        error=ValueError,
+        arg="axis_name",
+        value=repr(_axis_name),
+        message=f"loss_scaled: {_repeated}",
+    )
+    for _caller, _call in [
+        ("all_finite", lambda grads, a=_axis_name: jls.all_finite(grads, axis_name=a)),
+        ("DynamicLossScale.update", lambda grads, a=_axis_name: DYN.update(DYN_STATE, grads, a)),
+        ("FixedLossScale.update", lambda grads, a=_axis_name: FIX.update(FIX_STATE, grads, a)),
+    ]:
+        add(
+            f"{_caller}-axis_name={_id}",
+            _call,
+            _GRADS,
+            error=ValueError,
+            arg="axis_name",
+            value=repr(_axis_name),
+            message=f"{_caller}: {_repeated}",
+            traced=True,
+        )
 add(
     "loss_scaled-axis_name=list",
     lambda inner, ls: jls.loss_scaled(inner, ls, axis_name=["batch"]),
@@ -644,7 +720,7 @@ for _id, _state, _error, _arg, _value, _message in [
         TypeError,
         "state.stats",
         "dict",
-        "loss_scaled.update: state.stats must be the LossScaleStats returned by init(), got dict",
+        "loss_scaled.update: state.stats must be the StepStats returned by init(), got dict",
     ),
     (
         "weak_skipped_steps",
@@ -1054,6 +1130,8 @@ def _fingerprint(tree: Any) -> tuple:
             host = np.asarray(jax.device_get(leaf))
             weak = getattr(leaf, "weak_type", False)
             return type(leaf), host.dtype, host.shape, weak, host.tobytes()
+        if isinstance(leaf, int):  # hex, unlike repr, prints ints beyond 4300 digits
+            return type(leaf), hex(leaf)
         return type(leaf), repr(leaf)
 
     # Loss scales are static pytrees (no leaves); their repr shows every hyperparameter.
