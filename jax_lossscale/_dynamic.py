@@ -43,6 +43,9 @@ class DynamicLossScale(LossScale):
     step. Each call of `update` applies this rule (`scale`, `good_steps` and
     `overflows_until_backoff` are the fields of the state)::
 
+        # a state made under other hyperparameters is brought within these first
+        scale = clip(scale, min_loss_scale, max_loss_scale)
+        overflows_until_backoff = clip(overflows_until_backoff, 1, hysteresis)
         if every gradient is finite:
             good_steps += 1
             if consecutive_hysteresis:
@@ -154,8 +157,14 @@ class DynamicLossScale(LossScale):
 
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
-        scale, good_steps, overflows_until_backoff = state
         full_tolerance = np.int32(self.hysteresis)
+        # A state saved under other hyperparameters (a run resumed with changed settings)
+        # obeys these from this update on.
+        scale = jnp.clip(
+            state.loss_scale, np.float32(self.min_loss_scale), np.float32(self._ceiling)
+        )
+        good_steps = state.good_steps
+        overflows_until_backoff = jnp.clip(state.overflows_until_backoff, 1, full_tolerance)
 
         good_steps_after_finite = good_steps + 1
         period_done = good_steps_after_finite >= np.int32(self.increment_period)

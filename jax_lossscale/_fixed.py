@@ -63,11 +63,15 @@ class FixedLossScale(LossScale):
     def update(
         self, state: FixedLossScaleState, grads: PyTree, axis_name: AxisName | None = None
     ) -> tuple[FixedLossScaleState, jax.Array]:
-        """Returns `state` unchanged and `should_apply` true, whatever the gradients hold."""
+        """Returns the state of this scale and `should_apply` true, whatever the gradients hold.
+
+        A state made with another `loss_scale_value` (a run resumed with a changed
+        setting) holds this one after the update.
+        """
         check_state(self, state, FixedLossScaleState)
         check_array_leaves(grads, arg_name="grads", caller="FixedLossScale.update")
         check_axis_name(axis_name, caller="FixedLossScale.update")
-        return state, jnp.array(True)
+        return self.init(), jnp.array(True)
 
     def get_config(self) -> dict:
         return {"loss_scale_value": self.loss_scale_value}
