@@ -220,7 +220,7 @@ class _Runner:
     def __init__(self, step, init, params, inputs):
         self.inputs = inputs
         self.params = _fresh_buffers(params)
-        self.state = _fresh_buffers(init(self.params))  # donation needs distinct buffers
+        self.state = init(self.params)
         start = time.perf_counter()
         jitted = jax.jit(step, donate_argnums=(0, 1))
         self.step = jitted.lower(self.params, self.state, inputs).compile()

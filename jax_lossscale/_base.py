@@ -168,7 +168,7 @@ def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> N
     name = type(owner).__name__
     check_named_arrays(
         state,
-        _state_template(owner),
+        state_template(owner),
         where=name,
         label="state",
         source=f"{name}.init()",
@@ -211,5 +211,6 @@ def _describe(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=128)
-def _state_template(owner: LossScale) -> Any:
+def state_template(owner: LossScale) -> Any:
+    """`jax.eval_shape(owner.init)`: the shapes and dtypes of `owner`'s state."""
     return jax.eval_shape(owner.init)

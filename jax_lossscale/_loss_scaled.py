@@ -1,5 +1,7 @@
 """`loss_scaled`: the optax wrapper that unscales, checks, skips and adjusts the scale."""
 
+import contextlib
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -7,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array
+from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array, state_template
 from jax_lossscale._tree import (
     AxisName,
     PyTree,
@@ -19,6 +21,20 @@ from jax_lossscale._tree import (
 )
 
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+class StepStats(NamedTuple):
+    """What `loss_scaled` keeps in its state about the steps taken so far.
+
+    `get_loss_scale_stats` returns these fields with the current scale in front,
+    as a `LossScaleStats`.
+    """
+
+    skipped_steps: jax.Array  # int32: steps skipped so far
+    nan_skipped_steps: jax.Array  # int32: of those, steps whose gradients held a NaN
+    inf_skipped_steps: jax.Array  # int32: ... held +-inf but no NaN
+    consecutive_skipped_steps: jax.Array  # int32: skips since the last applied step
+    last_step_applied: jax.Array  # bool: true before the first step
 
 
 class LossScaleStats(NamedTuple):
@@ -46,15 +62,18 @@ class LossScaleStats(NamedTuple):
     """
 
     loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
-    skipped_steps: jax.Array  # int32: steps skipped so far
-    nan_skipped_steps: jax.Array  # int32: of those, steps whose gradients held a NaN
-    inf_skipped_steps: jax.Array  # int32: ... held +-inf but no NaN
-    consecutive_skipped_steps: jax.Array  # int32: skips since the last applied step
-    last_step_applied: jax.Array  # bool: true before the first step
+    skipped_steps: jax.Array
+    nan_skipped_steps: jax.Array
+    inf_skipped_steps: jax.Array
+    consecutive_skipped_steps: jax.Array
+    last_step_applied: jax.Array
 
 
 class LossScaledState(NamedTuple):
     """State of a `loss_scaled` transformation.
+
+    The scale lives in `loss_scale_state` alone; `loss_scale` is the `LossScale`
+    that reads it, a pytree with no leaves (so it adds no array to the state).
 
     Example:
       >>> import jax.numpy as jnp
@@ -64,17 +83,18 @@ class LossScaledState(NamedTuple):
       >>> tx.init({"w": jnp.zeros(2)})
       LossScaledState(inner_state=(EmptyState(), EmptyState()),
                       loss_scale_state=FixedLossScaleState(loss_scale=Array(4., dtype=float32)),
-                      stats=LossScaleStats(loss_scale=Array(4., dtype=float32),
-                                           skipped_steps=Array(0, dtype=int32),
-                                           nan_skipped_steps=Array(0, dtype=int32),
-                                           inf_skipped_steps=Array(0, dtype=int32),
-                                           consecutive_skipped_steps=Array(0, dtype=int32),
-                                           last_step_applied=Array(True, dtype=bool)))
+                      stats=StepStats(skipped_steps=Array(0, dtype=int32),
+                                      nan_skipped_steps=Array(0, dtype=int32),
+                                      inf_skipped_steps=Array(0, dtype=int32),
+                                      consecutive_skipped_steps=Array(0, dtype=int32),
+                                      last_step_applied=Array(True, dtype=bool)),
+                      loss_scale=FixedLossScale(loss_scale_value=4.0))
     """
 
     inner_state: optax.OptState
     loss_scale_state: PyTree
-    stats: LossScaleStats
+    stats: StepStats
+    loss_scale: LossScale
 
 
 def loss_scaled(
@@ -87,13 +107,20 @@ def loss_scaled(
     Each `update` receives the gradients of the loss multiplied by the current
     scale (`get_loss_scale(opt_state)`) and does, in this order:
 
-    1. unscale: divide the gradients by the scale (`loss_scale.unscale`);
+    1. unscale: divide the gradients by that scale;
     2. check: are all the unscaled gradients finite? (combined over `axis_name`);
     3. adjust: advance the loss scale's state (`loss_scale.update`);
     4. if finite, return `inner.update(unscaled_grads, inner_state, params, ...)`;
-       if not, skip: return updates of negative zeros, which leave
-       `optax.apply_updates(params, updates)` bit-identical to `params`, and the
-       inner state unchanged, so schedules inside `inner` do not advance.
+       if not, skip: return updates of negative zeros and the inner state as it
+       was, so schedules inside `inner` do not advance.
+
+    On a skipped step `optax.apply_updates(params, updates)` returns `params`
+    bit for bit (signed zeros, infinities and quiet NaNs included), except where
+    the backend's own addition changes a value: XLA on CPU flushes float32 and
+    bfloat16 subnormal numbers to zero and quiets signalling NaNs in any addition.
+    The inner state keeps its bits; if `inner` changes the dtype of a state leaf
+    across an update (adam's moments of bfloat16 params given float32 gradients
+    become float32), a skipped step converts the old values to that dtype, exactly.
 
     Put everything that should see the true gradients, gradient clipping and
     `optax.MultiSteps` included, inside `inner`. `optax.MultiSteps(loss_scaled(...))`
@@ -102,7 +129,9 @@ def loss_scaled(
     Args:
       inner: the optax transformation to apply to the unscaled gradients, e.g.
         `optax.adam(1e-3)`, or an `optax.MultiSteps` for gradient accumulation.
-      loss_scale: a `LossScale`, e.g. `DynamicLossScale()`.
+      loss_scale: a `LossScale`, e.g. `DynamicLossScale()`. A state made under other
+        hyperparameters (a checkpoint resumed with changed settings) obeys these
+        from the next update on.
       axis_name: inside `pmap` or `shard_map` with per-device gradients, the axis
         over which devices agree on skipping. Not needed under SPMD `jit`.
 
@@ -153,17 +182,19 @@ def loss_scaled(
                 "would be unscaled twice. Use one loss_scaled around the whole optimizer"
             )
         loss_scale_state = loss_scale.init()
+        loss_scale._checked_scale(loss_scale_state)  # a user subclass's __call__, checked early
+        no_steps = jnp.zeros([], jnp.int32)
         return LossScaledState(
             inner_state=inner_state,
             loss_scale_state=loss_scale_state,
-            stats=LossScaleStats(
-                loss_scale=loss_scale._checked_scale(loss_scale_state),
-                skipped_steps=jnp.zeros([], jnp.int32),
-                nan_skipped_steps=jnp.zeros([], jnp.int32),
-                inf_skipped_steps=jnp.zeros([], jnp.int32),
-                consecutive_skipped_steps=jnp.zeros([], jnp.int32),
+            stats=StepStats(
+                skipped_steps=no_steps,
+                nan_skipped_steps=jnp.zeros_like(no_steps),
+                inf_skipped_steps=jnp.zeros_like(no_steps),
+                consecutive_skipped_steps=jnp.zeros_like(no_steps),
                 last_step_applied=jnp.ones([], jnp.bool_),
             ),
+            loss_scale=loss_scale,
         )
 
     def update_fn(
@@ -175,10 +206,14 @@ def loss_scaled(
         _check_wrapper_state(state)
         check_array_leaves(updates, arg_name="updates", caller="loss_scaled.update")
         check_axis_name(axis_name, caller="loss_scaled.update")
-        _check_inner_state(inner, state.inner_state, updates if params is None else params)
         scaled_grads = updates
 
-        grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
+        # The loss was multiplied by the scale that get_loss_scale(state) reads: the one in
+        # state.loss_scale_state, read by the loss scale that made it.
+        def unscale():
+            return state.loss_scale.unscale(state.loss_scale_state, scaled_grads)
+
+        grads = unscale()
         loss_scale_state, finite = loss_scale.update(state.loss_scale_state, grads, axis_name)
         _check_should_apply(loss_scale, finite)
         # For the stats. DynamicLossScale makes the same check, so XLA computes it once;
@@ -188,18 +223,24 @@ def loss_scaled(
         def skip_for_nan():  # for the stats; unscaling makes no NaN and removes none
             return any_nan(scaled_grads)
 
-        # Both branches unscale on their own, so that XLA can fuse the division into
-        # the inner update instead of keeping the unscaled gradients in memory.
+        # The branch unscales on its own, so that XLA can fuse the multiplication into the
+        # inner update instead of keeping the unscaled gradients in memory.
+        def inner_update():
+            return inner.update(unscale(), state.inner_state, params, **extra_args)
+
+        updates_type, inner_state_type = _inner_update_types(
+            inner, inner_update, state.inner_state, [params, scaled_grads]
+        )
+
         def apply_inner():
-            grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
-            updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-            return updates, inner_state, jnp.zeros_like(jax.eval_shape(skip_for_nan))
+            new_updates, inner_state = inner_update()
+            no_nan = jnp.zeros_like(jax.eval_shape(skip_for_nan))
+            return new_updates, _as_types(inner_state, inner_state_type), no_nan
 
         def skip_inner():
-            updates_shape, inner_state_shape, _ = jax.eval_shape(apply_inner)
             return (
-                jax.tree.map(_negative_zeros, updates_shape),
-                jax.tree.map(_with_manual_axes_of, state.inner_state, inner_state_shape),
+                jax.tree.map(_negative_zeros, updates_type),
+                _as_types(state.inner_state, inner_state_type),
                 skip_for_nan(),
             )
 
@@ -209,8 +250,7 @@ def loss_scaled(
 
         old = state.stats
         skipped = jnp.logical_not(finite)
-        stats = LossScaleStats(
-            loss_scale=loss_scale._checked_scale(loss_scale_state),
+        stats = StepStats(
             skipped_steps=_saturating_increment(old.skipped_steps, skipped),
             nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & had_nan),
             inf_skipped_steps=_saturating_increment(
@@ -221,17 +261,19 @@ def loss_scaled(
             ),
             last_step_applied=finite,
         )
-        return new_updates, LossScaledState(inner_state, loss_scale_state, stats)
+        return new_updates, LossScaledState(inner_state, loss_scale_state, stats, loss_scale)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
+def get_loss_scale(opt_state: Any) -> jax.Array:
     """Returns the current loss scale held in an optax state built by `loss_scaled`.
 
     The `LossScaledState` may sit anywhere in `opt_state`: inside `optax.chain`,
-    `optax.inject_hyperparams`, `optax.MultiSteps` or any other nesting. Multiply
-    the loss by this scale before differentiating.
+    `optax.inject_hyperparams`, `optax.MultiSteps` or any other nesting, in a flax
+    `nnx.Optimizer` (pass the optimizer, its `opt_state` or `nnx.state(optimizer)`)
+    or in any pytree that holds it. Multiply the loss by this scale before
+    differentiating.
 
     Raises:
       LookupError: if `opt_state` holds no `LossScaledState`.
@@ -247,10 +289,10 @@ def get_loss_scale(opt_state: optax.OptState) -> jax.Array:
       >>> jls.get_loss_scale(tx.init({"w": jnp.zeros(3)}))
       Array(32768., dtype=float32)
     """
-    return _find_state(opt_state, "get_loss_scale").stats.loss_scale
+    return _read_scale(_find_state(opt_state, "get_loss_scale"), "get_loss_scale")
 
 
-def get_loss_scale_stats(opt_state: optax.OptState) -> LossScaleStats:
+def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
     """Returns the `LossScaleStats` of the `loss_scaled` state inside `opt_state`.
 
     The fields are the current scale, the steps skipped so far (in all, for NaN,
@@ -274,10 +316,29 @@ def get_loss_scale_stats(opt_state: optax.OptState) -> LossScaleStats:
       >>> int(stats.skipped_steps), bool(stats.last_step_applied)
       (1, False)
     """
-    return _find_state(opt_state, "get_loss_scale_stats").stats
+    state = _find_state(opt_state, "get_loss_scale_stats")
+    stats = state["stats"] if isinstance(state, Mapping) else state.stats
+    recorded = {field: _unwrapped(_field(stats, field)) for field in StepStats._fields}
+    return LossScaleStats(loss_scale=_read_scale(state, "get_loss_scale_stats"), **recorded)
 
 
-def _find_state(opt_state: optax.OptState, caller: str) -> LossScaledState:
+# The fields a LossScaledState keeps as a mapping once flax nnx has turned it into an
+# `nnx.State`, which holds arrays only and so drops the `loss_scale` field.
+_MAPPED_FIELDS = frozenset(LossScaledState._fields) - {"loss_scale"}
+
+
+def _is_wrapper_state(node: Any) -> bool:
+    if isinstance(node, LossScaledState):
+        return True
+    return isinstance(node, Mapping) and _MAPPED_FIELDS <= set(node) <= set(LossScaledState._fields)
+
+
+def _wrapper_states(tree: PyTree) -> list[tuple[Any, Any]]:
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_wrapper_state)[0]
+    return [(path, node) for path, node in nodes if _is_wrapper_state(node)]
+
+
+def _find_state(opt_state: Any, caller: str) -> Any:
     found = _wrapper_states(opt_state)
     if not found:
         raise LookupError(
@@ -293,17 +354,58 @@ def _find_state(opt_state: optax.OptState, caller: str) -> LossScaledState:
     return found[0][1]
 
 
-def _wrapper_states(tree: PyTree) -> list[tuple[Any, LossScaledState]]:
-    def is_wrapper_state(node: Any) -> bool:
-        return isinstance(node, LossScaledState)
+def _read_scale(state: Any, caller: str) -> jax.Array:
+    """The scale held in a `LossScaledState`, or in the mapping nnx makes of one."""
+    if isinstance(state, LossScaledState):
+        return _scale_of(state.loss_scale, _unwrapped(state.loss_scale_state))
+    loss_scale_state = state["loss_scale_state"]
+    scale = loss_scale_state.get("loss_scale") if isinstance(loss_scale_state, Mapping) else None
+    scale = _unwrapped(scale)
+    if getattr(scale, "dtype", None) != np.float32:
+        raise LookupError(
+            f"{caller}: opt_state holds a loss_scaled state as a mapping (as nnx.state makes "
+            "it), whose loss_scale_state has no float32 'loss_scale'; pass the optimizer or "
+            "its opt_state instead, which keep the LossScale that reads the scale"
+        )
+    return scale
 
-    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_wrapper_state)[0]
-    return [(path, node) for path, node in nodes if is_wrapper_state(node)]
+
+def _scale_of(loss_scale: LossScale, loss_scale_state: PyTree) -> jax.Array:
+    """`loss_scale(loss_scale_state)`, mapped over the leading axes of a stacked state.
+
+    A state made by `vmap(tx.init)`, or replicated for `pmap` and read outside it,
+    has the same leading axes on every leaf; its scale is read for each of their entries.
+    """
+    leaves = jax.tree.leaves(loss_scale_state)
+    template = jax.tree.leaves(state_template(loss_scale))
+    leading = {
+        np.shape(leaf)[: np.ndim(leaf) - t.ndim] for leaf, t in zip(leaves, template, strict=False)
+    }
+    read = loss_scale._checked_scale
+    if len(leaves) == len(template) and len(leading) == 1:
+        for _ in next(iter(leading)):
+            read = jax.vmap(read)
+    return read(loss_scale_state)
+
+
+def _field(node: Any, name: str) -> Any:
+    return node[name] if isinstance(node, Mapping) else getattr(node, name)
+
+
+def _unwrapped(tree: PyTree) -> PyTree:
+    """`tree` with array wrappers, such as flax nnx's `OptArray`, replaced by their arrays."""
+
+    def is_wrapper(node: Any) -> bool:
+        return hasattr(node, "__jax_array__") and not isinstance(node, jax.Array)
+
+    def unwrap(node: Any) -> Any:
+        return node.__jax_array__() if is_wrapper(node) else node
+
+    return jax.tree.map(unwrap, tree, is_leaf=is_wrapper)
 
 
 _COUNT = jax.ShapeDtypeStruct((), jnp.int32)
-_STATS_TEMPLATE = LossScaleStats(
-    loss_scale=jax.ShapeDtypeStruct((), jnp.float32),
+_STATS_TEMPLATE = StepStats(
     skipped_steps=_COUNT,
     nan_skipped_steps=_COUNT,
     inf_skipped_steps=_COUNT,
@@ -313,35 +415,115 @@ _STATS_TEMPLATE = LossScaleStats(
 
 
 def _check_wrapper_state(state: Any) -> None:
+    where = "loss_scaled.update"
     if not isinstance(state, LossScaledState):
         raise TypeError(
-            "loss_scaled.update: state must be the LossScaledState returned by init(), "
+            f"{where}: state must be the LossScaledState returned by init(), "
             f"got {type(state).__name__}"
         )
-    where, label = "loss_scaled.update", "state.stats"
-    check_named_arrays(state.stats, _STATS_TEMPLATE, where=where, label=label, source="init()")
+    if not isinstance(state.loss_scale, LossScale):
+        raise TypeError(
+            f"{where}: state.loss_scale must be the LossScale that made the state, got "
+            f"{short_repr(state.loss_scale)}; build states with init()"
+        )
+    check_named_arrays(
+        state.stats, _STATS_TEMPLATE, where=where, label="state.stats", source="init()"
+    )
 
 
-def _check_inner_state(
-    inner: optax.GradientTransformation, inner_state: Any, params: PyTree
-) -> None:
-    """Refuses an inner state whose structure is not that of `inner.init(params)`.
+def _inner_update_types(
+    inner: optax.GradientTransformation,
+    inner_update: Any,
+    inner_state: PyTree,
+    init_arguments: list[PyTree],
+) -> tuple[PyTree, PyTree]:
+    """The types of `inner_update()`'s updates, and those its state and a skip's share.
 
-    Only a diagnosis: if `inner.init` cannot be traced, or the structures cannot be
-    compared, nothing is refused.
+    A skipped step returns the old inner state, the applied one the new: each leaf
+    takes the dtype that holds both exactly (bfloat16 moments that become float32
+    stay float32 on a skip), so that the two branches of the `cond` agree. A weakly
+    typed leaf (one made from a Python number) takes the new leaf's dtype, as it
+    would in any operation with it.
     """
     try:
-        expected = jax.tree.structure(jax.eval_shape(inner.init, params))
-        actual = jax.tree.structure(inner_state)
-        matches = bool(actual == expected)
-    except Exception:
-        return
-    if not matches:
-        raise TypeError(
-            f"loss_scaled.update: state.inner_state has the structure {actual}, but "
-            f"inner.init(params) gives {expected}; pass the state returned by this "
-            "transformation's init()"
-        )
+        updates_type, new_state_type = jax.eval_shape(inner_update)
+    except Exception as error:
+        mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
+        if mismatch is None:
+            raise
+        raise TypeError(mismatch) from error
+    return updates_type, jax.tree_util.tree_map_with_path(_joined_type, inner_state, new_state_type)
+
+
+def _inner_state_mismatch(
+    inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
+) -> str | None:
+    """Why `inner.update` refused `inner_state`, if it is not what `inner.init` makes.
+
+    Called only once `inner.update` has failed, so it never refuses what `inner`
+    accepts. Params that `inner.init` was not given (an equinox model where the state
+    was initialised on its filtered arrays) are tried as the gradients' structure too.
+    """
+    actual = jax.tree.structure(inner_state)
+    expected = None
+    for argument in init_arguments:
+        if argument is None:
+            continue
+        try:
+            expected = jax.tree.structure(jax.eval_shape(inner.init, argument))
+        except Exception:
+            continue
+        if expected == actual:
+            return None
+    if expected is None:
+        return None
+    return (
+        f"loss_scaled.update: state.inner_state has the structure {actual}, but "
+        f"inner.init(params) gives {expected}; pass the state returned by this "
+        "transformation's init()"
+    )
+
+
+def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    old_type = jax.typeof(old)
+    if old_type.weak_type:  # it takes the dtype the update gives it, as JAX's promotion does
+        return new
+    if old_type.dtype == new.dtype:
+        return new.update(weak_type=False)
+    candidates = [new.dtype, old_type.dtype]
+    with contextlib.suppress(jax.dtypes.TypePromotionError):  # as between 8-bit floats
+        candidates.append(jnp.promote_types(old_type.dtype, new.dtype))
+    for dtype in candidates:
+        if _holds_exactly(dtype, old_type.dtype) and _holds_exactly(dtype, new.dtype):
+            return new.update(dtype=dtype, weak_type=False)
+    raise TypeError(
+        f"loss_scaled.update: inner.update turns the state leaf at "
+        f"{jax.tree_util.keystr(path) or '<root>'} from {old_type.dtype} into {new.dtype}, and "
+        "no dtype holds the values of both exactly, so a skipped step could not keep it"
+    )
+
+
+def _holds_exactly(dtype: Any, other: Any) -> bool:
+    return dtype == other or bool(np.can_cast(other, dtype, casting="safe"))
+
+
+def _as_types(tree: PyTree, types: PyTree) -> PyTree:
+    return jax.tree.map(_as_type, tree, types)
+
+
+def _as_type(value: Any, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """`value` with the dtype, weak type and varying manual axes of `target`.
+
+    A state that comes in replicated comes out of the inner update varying when the
+    gradients vary per device (under `shard_map`); both branches of the `cond` must
+    agree on that.
+    """
+    value_type = jax.typeof(value)
+    if value_type.dtype != target.dtype or value_type.weak_type != target.weak_type:
+        value = jax.lax.convert_element_type(value, target.dtype)
+    if getattr(value_type, "manual_axis_type", None) != getattr(target, "manual_axis_type", None):
+        value = jnp.where(jnp.full_like(target, True, dtype=jnp.bool_), value, value)
+    return value
 
 
 def _check_should_apply(loss_scale: LossScale, should_apply: Any) -> None:
@@ -361,19 +543,6 @@ def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
     else:
         fill = 0
     return jnp.full_like(shape, fill)  # like the update: dtype, shape and varying manual axes
-
-
-def _with_manual_axes_of(value: jax.Array, shape: jax.ShapeDtypeStruct) -> jax.Array:
-    """`value`, varying over the same `shard_map` axes as the inner update's new state.
-
-    A state that comes in replicated comes out of the inner update varying when the
-    gradients vary per device; both branches of the `cond` must agree on that.
-    """
-    if getattr(jax.typeof(value), "manual_axis_type", None) == getattr(
-        shape, "manual_axis_type", None
-    ):
-        return value
-    return jnp.where(jnp.full_like(shape, True, dtype=jnp.bool_), value, value)
 
 
 def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
+from jax_lossscale._loss_scaled import StepStats
 
 STEPS = 16
 W_SHAPE = (16, 8)
@@ -133,10 +134,11 @@ def _assert_typed_like_init(opt_state):
     state = _wrapper_state(opt_state)
     assert type(state) is jls.LossScaledState
     assert type(state.loss_scale_state) is jls.DynamicLossScaleState
-    assert type(state.stats) is jls.LossScaleStats
+    assert type(state.stats) is StepStats
+    assert isinstance(state.loss_scale, jls.DynamicLossScale)
     expected_dtypes = (
         jls.DynamicLossScaleState(jnp.float32, jnp.int32, jnp.int32),
-        jls.LossScaleStats(jnp.float32, jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_),
+        StepStats(jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.bool_),
     )
     for leaf, dtype in zip(
         jax.tree.leaves((state.loss_scale_state, state.stats)),
@@ -156,7 +158,7 @@ def _assert_save_point(opt_state, expected):
     (scale, good_steps, overflows_until_backoff), (*skip_counts, last_step_applied) = expected
     state = _wrapper_state(opt_state)
     chex.assert_trees_all_equal(
-        (state.loss_scale_state, state.stats),
+        (state.loss_scale_state, jls.get_loss_scale_stats(state)),
         (
             jls.DynamicLossScaleState(
                 np.float32(scale), np.int32(good_steps), np.int32(overflows_until_backoff)

@@ -227,7 +227,7 @@ def test_one_device_overflow_skips_every_device(runner, device, value):
         ),
     )
     chex.assert_trees_all_equal(
-        new_state.stats,
+        jls.get_loss_scale_stats(new_state),  # read on each device's replica
         _replicate(_one_skip_stats(value)),
     )
 
@@ -301,7 +301,7 @@ def test_shard_map_replicated_state_one_device_overflow_skips_all(device, value)
     for leaf in jax.tree.leaves(updates):
         np.testing.assert_array_equal(np.signbit(leaf), True)
     chex.assert_trees_all_equal(
-        (new_state.loss_scale_state, new_state.stats),
+        (new_state.loss_scale_state, jls.get_loss_scale_stats(new_state)),
         _replicate(
             (
                 jls.DynamicLossScaleState(np.float32(512.0), np.int32(0), np.int32(1)),
@@ -322,7 +322,7 @@ def test_shard_map_replicated_state_all_finite_each_device_applies_its_own():
         expected = _reference_step()(params, opt_state, grads[device])
         chex.assert_trees_all_equal(_on_device(outputs, device), expected)
         chex.assert_trees_all_equal(
-            expected[1].stats,
+            jls.get_loss_scale_stats(expected[1]),
             jls.LossScaleStats(np.float32(2048.0), *[np.int32(0)] * 4, np.bool_(True)),
         )
     mu_w = outputs[1].inner_state[0].mu["w"]

@@ -324,6 +324,7 @@ FLOAT64_SCRIPT = textwrap.dedent(
         if kind != "finite":
             scaled["w"] = scaled["w"].at[1].set(float(kind))
         updates, opt_state = update(scaled, opt_state, params)
+        stats = jls.get_loss_scale_stats(opt_state)
         if kind == "finite":
             ref_updates, ref_state = inner.update(true_grads, ref_state, params)
         else:
@@ -333,8 +334,8 @@ FLOAT64_SCRIPT = textwrap.dedent(
             "updates": {k: v.tolist() for k, v in updates.items()},
             "ref_updates": ref_updates and {k: v.tolist() for k, v in ref_updates.items()},
             "update_dtypes": {k: str(v.dtype) for k, v in updates.items()},
-            "stats": {k: v.item() for k, v in opt_state.stats._asdict().items()},
-            "stats_dtypes": {k: str(v.dtype) for k, v in opt_state.stats._asdict().items()},
+            "stats": {k: v.item() for k, v in stats._asdict().items()},
+            "stats_dtypes": {k: str(v.dtype) for k, v in stats._asdict().items()},
             "ls_state_dtypes": [str(v.dtype) for v in opt_state.loss_scale_state],
             "inner_dtypes": sorted({str(v.dtype) for v in jax.tree.leaves(opt_state.inner_state)}),
         })

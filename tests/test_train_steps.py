@@ -1,0 +1,592 @@
+"""Train steps as users write them: donated buffers, one scale, mixed dtypes, changed settings.
+
+Each section pins one behaviour that a jitted, donated train step relies on: the state holds
+no buffer twice; the scale lives in one place, whatever the `LossScale`; inner optimizers whose
+state changes dtype work, and a skip keeps their values; float8 leaves mix with other floats;
+a state saved under other hyperparameters obeys the current ones from its next update on;
+`count_non_finite` saturates; and what a skip keeps bit for bit on the CPU.
+"""
+
+import dataclasses
+import functools
+import importlib.metadata
+import pathlib
+import re
+import tomllib
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale._diagnostics import saturating_count
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(tree):
+    """Each leaf as unsigned integers of its width: NaN payloads and signed zeros compare."""
+    return jax.tree.map(lambda x: np.asarray(x).view(UINT_OF_SIZE[np.asarray(x).itemsize]), tree)
+
+
+def assert_bits_equal(actual, expected):
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    chex.assert_trees_all_equal(bits(actual), bits(expected))
+
+
+def assert_close_in_dtype(actual, expected, eps):
+    """Equal dtypes, and values within 4 `eps` (0 for integer leaves)."""
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        rtol = 4 * float(eps) if jnp.issubdtype(e.dtype, jnp.floating) else 0
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=rtol)
+
+
+class PowerOfTwoState(NamedTuple):
+    exponent: jax.Array  # int32: the scale is 2**exponent
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerOfTwoLossScale(jls.LossScale):
+    """A user loss scale whose state holds no float at all: the scale is 2**exponent.
+
+    It backs off by one power of two on a non-finite step and never grows.
+    """
+
+    initial_exponent: int = 10
+
+    def init(self):
+        return PowerOfTwoState(jnp.asarray(self.initial_exponent, jnp.int32))
+
+    def __call__(self, state):
+        return jnp.exp2(state.exponent.astype(jnp.float32))
+
+    def update(self, state, grads, axis_name=None):
+        finite = jls.all_finite(grads, axis_name)
+        return PowerOfTwoState(jnp.where(finite, state.exponent, state.exponent - 1)), finite
+
+    def get_config(self):
+        return {"initial_exponent": self.initial_exponent}
+
+
+LOSS_SCALES = {
+    "dynamic": jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2),
+    "fixed": jls.FixedLossScale(2.0**10),
+    "power_of_two": PowerOfTwoLossScale(10),
+}
+INNERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "adam": lambda: optax.adam(1e-2),
+    "chain_clip_adamw_schedule": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10))
+    ),
+}
+
+
+def loss_fn(params, x, y):  # float32 master weights, float16 compute, float32 loss
+    prediction = x.astype(jnp.float16) @ params["w"].astype(jnp.float16) + params["b"]
+    return jnp.mean((prediction.astype(jnp.float32) - y) ** 2)
+
+
+def train_step_of(tx):
+    def train_step(params, opt_state, x, y):
+        loss_scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: loss_fn(p, x, y) * loss_scale)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+def make_train_step(tx, **jit_kwargs):
+    return jax.jit(train_step_of(tx), **jit_kwargs)
+
+
+def data(step):
+    """Step 2 overflows float16 at any scale >= 2**4; the others are finite at 2**12."""
+    x = jnp.full((8, 4), 1e4 if step == 2 else 0.5, jnp.float32)
+    return x, jnp.ones((8, 1))
+
+
+def initial_params():
+    return {"w": jnp.full((4, 1), 0.25), "b": jnp.zeros((1,))}
+
+
+def buffer_pointers(tree):
+    return [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(tree)]
+
+
+# --- 1. donation: no buffer twice -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
+@pytest.mark.parametrize("make_inner", INNERS.values(), ids=INNERS.keys())
+def test_no_buffer_appears_twice_in_a_state_from_init_or_an_eager_update(loss_scale, make_inner):
+    tx = jls.loss_scaled(make_inner(), loss_scale)
+    params = initial_params()
+    opt_state = tx.init(params)
+    pointers = buffer_pointers(opt_state)
+    assert len(pointers) == len(set(pointers))
+    for grads in (
+        {"w": jnp.ones((4, 1)), "b": jnp.ones(1)},
+        {"w": jnp.ones((4, 1)), "b": jnp.full(1, jnp.inf)},
+    ):
+        _, opt_state = tx.update(grads, opt_state, params)  # eager, op by op
+        pointers = buffer_pointers(opt_state)
+        assert len(pointers) == len(set(pointers))
+
+
+@pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
+@pytest.mark.parametrize("make_inner", INNERS.values(), ids=INNERS.keys())
+def test_donated_train_step_from_eager_init_matches_the_undonated_one(loss_scale, make_inner):
+    tx = jls.loss_scaled(make_inner(), loss_scale)
+    donated_step = make_train_step(tx, donate_argnums=(0, 1))
+    plain_step = make_train_step(tx)
+    params, opt_state = initial_params(), tx.init(initial_params())
+    ref_params, ref_state = initial_params(), tx.init(initial_params())
+    # An eager update first: its state, too, must be donatable.
+    _, opt_state = tx.update(jax.tree.map(jnp.zeros_like, params), opt_state, params)
+    _, ref_state = tx.update(jax.tree.map(jnp.zeros_like, params), ref_state, params)
+    scales = []
+    for step in range(5):
+        old_params = params
+        params, opt_state = donated_step(params, opt_state, *data(step))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old_params))
+        ref_params, ref_state = plain_step(ref_params, ref_state, *data(step))
+        scales.append(float(jls.get_loss_scale(opt_state)))
+    assert_bits_equal((params, opt_state), (ref_params, ref_state))
+    expected_scales = {
+        "DynamicLossScale": [2048.0, 2048.0, 1024.0, 1024.0, 2048.0],  # the eager step counts
+        "FixedLossScale": [1024.0] * 5,
+        "PowerOfTwoLossScale": [1024.0, 1024.0, 512.0, 512.0, 512.0],
+    }[type(loss_scale).__name__]
+    assert scales == expected_scales
+
+
+def test_stats_returned_by_a_donated_step_outlive_the_next_step():
+    tx = jls.loss_scaled(optax.adam(1e-2), LOSS_SCALES["dynamic"])
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, x, y):
+        params, opt_state = train_step_of(tx)(params, opt_state, x, y)
+        return params, opt_state, jls.get_loss_scale_stats(opt_state)
+
+    params, opt_state = initial_params(), tx.init(initial_params())
+    logged = []
+    for index in range(4):
+        params, opt_state, stats = step(params, opt_state, *data(index))
+        logged.append(stats)
+    assert [float(stats.loss_scale) for stats in logged] == [1024.0, 2048.0, 1024.0, 1024.0]
+    assert [int(stats.skipped_steps) for stats in logged] == [0, 0, 1, 1]
+
+
+# --- 2. one source of truth for the scale ---------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
+def test_a_reset_loss_scale_state_is_what_get_loss_scale_reads_and_update_unscales_by(
+    loss_scale, jit_or_eager
+):
+    tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = tx.init(params)
+    for _ in range(3):  # move the scale away from its initial value where it can move
+        _, opt_state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, opt_state, params)
+    reset = opt_state._replace(
+        loss_scale_state=type(loss_scale)(
+            **{**loss_scale.get_config(), **_doubled_initial(loss_scale)}
+        ).init()
+    )
+    scale = jls.get_loss_scale(reset)
+    assert float(scale) == 2.0**11
+    true_grads = {"w": jnp.array([0.5, -0.25])}
+    scaled_grads = jax.tree.map(lambda g: g * scale, true_grads)
+    updates, _ = jit_or_eager(tx.update, scaled_grads, reset, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.array([-0.5, 0.25])})
+
+
+def _doubled_initial(loss_scale):
+    if isinstance(loss_scale, PowerOfTwoLossScale):
+        return {"initial_exponent": 11}
+    if isinstance(loss_scale, jls.FixedLossScale):
+        return {"loss_scale_value": 2.0**11}
+    return {"initial_loss_scale": 2.0**11}
+
+
+@pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
+def test_the_scale_is_stored_once(loss_scale):
+    opt_state = jls.loss_scaled(optax.adam(1e-3), loss_scale).init({"w": jnp.ones(3)})
+    outside_loss_scale_state = jax.tree.leaves(opt_state._replace(loss_scale_state=None))
+    assert not [
+        leaf for leaf in outside_loss_scale_state if leaf.dtype == jnp.float32 and leaf.shape == ()
+    ]
+    assert opt_state.loss_scale is loss_scale  # a pytree with no leaves: it adds no array
+    assert jax.tree.leaves(opt_state.loss_scale) == []
+
+
+# --- 3. params and gradients of different dtypes --------------------------------------------
+
+MIXED_INNERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+}
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("make_inner", MIXED_INNERS.values(), ids=MIXED_INNERS.keys())
+def test_half_precision_params_with_float32_grads_work_as_bare_optax(make_inner, param_dtype):
+    inner = make_inner()
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=2.0**8))
+    params = {"w": jnp.array([1.0, -2.0, 0.5], param_dtype), "b": jnp.array(0.25, param_dtype)}
+    true_grads = [
+        {"w": jnp.array([0.5, -0.25, 2.0]), "b": jnp.float32(-1.0)},
+        {"w": jnp.array([jnp.inf, 0.0, 1.0]), "b": jnp.float32(1.0)},  # skipped
+        {"w": jnp.array([0.125, 0.75, -1.5]), "b": jnp.float32(0.5)},
+    ]
+    opt_state = tx.init(params)
+    chex.assert_trees_all_equal(opt_state.inner_state, inner.init(params), strict=True)
+    for step, grads in enumerate(true_grads):
+        scale = jls.get_loss_scale(opt_state)
+        scaled = jax.tree.map(lambda g, scale=scale: g * scale, grads)
+        before = opt_state
+        updates, opt_state = tx.update(scaled, opt_state, params)
+        if step == 1:
+            # The skip returns the state as it was, in the dtype the inner update gives.
+            assert_bits_equal(optax.apply_updates(params, updates), params)
+            chex.assert_trees_all_equal(opt_state.inner_state, before.inner_state, strict=False)
+            chex.assert_trees_all_equal_dtypes(opt_state.inner_state, before.inner_state)
+            continue
+        ref_updates, ref_state = inner.update(grads, before.inner_state, params)
+        # The dtypes of bare optax, and its values to a few ulps of the params' dtype: the
+        # wrapper's inner update is compiled inside a cond, where XLA computes half-precision
+        # intermediates in float32 and rounds once, where bare optax eagerly rounds each.
+        assert_close_in_dtype(
+            (updates, opt_state.inner_state), (ref_updates, ref_state), jnp.finfo(param_dtype).eps
+        )
+        params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_equal_dtypes(params, {"w": param_dtype(0), "b": param_dtype(0)})
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_first_step_skipped_keeps_the_half_precision_state_values_as_float32(param_dtype):
+    """A running mean of the gradients started at the params: its dtype widens on update."""
+
+    def init(params):
+        return {"mean": jax.tree.map(jnp.copy, params)}
+
+    def update(updates, state, params=None):
+        mean = jax.tree.map(lambda m, g: 0.5 * m + 0.5 * g, state["mean"], updates)
+        return updates, {"mean": mean}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
+    params = {"w": jnp.array([1.0, -3.5, 2.0**-10, -0.0], param_dtype)}
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    updates, opt_state = step({"w": jnp.array([1.0, jnp.nan, 0.0, 0.0])}, tx.init(params), params)
+    assert_bits_equal(opt_state.inner_state, {"mean": {"w": params["w"].astype(jnp.float32)}})
+    assert_bits_equal(updates, {"w": jnp.full(4, -0.0)})
+    scale = jls.get_loss_scale(opt_state)
+    _, opt_state = step({"w": jnp.full(4, 2.0) * scale}, opt_state, params)
+    expected = 0.5 * params["w"].astype(jnp.float32) + 1.0
+    assert_bits_equal(opt_state.inner_state, {"mean": {"w": expected}})
+
+
+def _narrowing_inner():
+    """An inner whose float32 state comes back bfloat16 from each update."""
+
+    def init(params):
+        return {"last": jnp.full(2, 1 + 2.0**-20, jnp.float32)}
+
+    def update(updates, state, params=None):
+        return updates, {"last": updates["w"].astype(jnp.bfloat16)}
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_a_state_that_narrows_is_kept_in_the_dtype_that_holds_both(jit_or_eager):
+    tx = jls.loss_scaled(_narrowing_inner(), jls.FixedLossScale(1.0))
+    dynamic = jls.loss_scaled(_narrowing_inner(), jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(2)}
+    _, state = jit_or_eager(tx.update, {"w": jnp.array([1.5, 3.0])}, tx.init(params), params)
+    assert_bits_equal(state.inner_state, {"last": jnp.array([1.5, 3.0], jnp.float32)})
+    initial = dynamic.init(params)
+    _, skipped = jit_or_eager(dynamic.update, {"w": jnp.array([jnp.inf, 0.0])}, initial, params)
+    assert_bits_equal(skipped.inner_state, initial.inner_state)  # 1 + 2**-20 kept in float32
+
+
+def _summing_inner():
+    """An inner whose state starts as a Python number and sums the gradients into it."""
+
+    def init(params):
+        return {"total": jnp.asarray(0.5)}  # weakly typed float32
+
+    def update(updates, state, params=None):
+        return updates, {"total": state["total"] + jnp.sum(updates["w"])}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_weakly_typed_inner_state_leaf_takes_the_dtype_bare_optax_gives_it(
+    jit_or_eager, grad_dtype
+):
+    inner = _summing_inner()
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(2, grad_dtype)}
+    state = tx.init(params)
+    assert state.inner_state["total"].weak_type
+    grads = {"w": jnp.array([1.0, 2.0], grad_dtype)}
+    _, bare = jit_or_eager(inner.update, grads, inner.init(params), params)
+    assert not bare["total"].weak_type
+    assert bare["total"].dtype == grad_dtype
+    _, applied = jit_or_eager(tx.update, grads, state, params)
+    chex.assert_trees_all_equal(applied.inner_state, bare, strict=True)
+    bad = {"w": jnp.array([jnp.nan, 1.0], grad_dtype)}
+    _, skipped = jit_or_eager(tx.update, bad, state, params)
+    chex.assert_trees_all_equal(skipped.inner_state, {"total": grad_dtype(0.5)}, strict=True)
+
+
+def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():
+    def init(params):
+        return {"count": jnp.zeros([], jnp.int32)}
+
+    def update(updates, state, params=None):
+        return updates, {"count": state["count"].astype(jnp.float32) + 1}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "loss_scaled.update: inner.update turns the state leaf at ['count'] from int32 into "
+            "float32, and no dtype holds the values of both exactly, so a skipped step could "
+            "not keep it"
+        ),
+    ):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+# --- 4. float8 leaves mixed with other floats -----------------------------------------------
+
+FLOAT8_PARAMS = {
+    "e4m3": jnp.zeros(2, jnp.float8_e4m3fn),
+    "e5m2": jnp.zeros(2, jnp.float8_e5m2),
+    "half": jnp.zeros(2, jnp.bfloat16),
+    "full": jnp.zeros(2, jnp.float32),
+}
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected_kind"),
+    [
+        (None, None),
+        (("e4m3", jnp.nan), "nan_skipped_steps"),
+        (("e5m2", jnp.inf), "inf_skipped_steps"),
+        (("full", -jnp.inf), "inf_skipped_steps"),
+        (("half", jnp.nan), "nan_skipped_steps"),
+    ],
+    ids=["finite", "nan_in_e4m3fn", "inf_in_e5m2", "inf_in_float32", "nan_in_bfloat16"],
+)
+def test_float8_leaves_mixed_with_other_floats(jit_or_eager, bad, expected_kind):
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
+    # 448 is float8_e4m3fn's largest value: its square overflows, and e4m3fn has no inf.
+    grads = {key: jnp.array([448.0, 0.5]).astype(x.dtype) for key, x in FLOAT8_PARAMS.items()}
+    if bad is not None:
+        key, value = bad
+        grads[key] = grads[key].at[1].set(value)
+    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(FLOAT8_PARAMS), FLOAT8_PARAMS)
+    stats = jls.get_loss_scale_stats(opt_state)
+    if bad is None:
+        assert_bits_equal(updates, jax.tree.map(jnp.negative, grads))
+        assert int(stats.skipped_steps) == 0
+        return
+    assert_bits_equal(updates, jax.tree.map(lambda x: jnp.full_like(x, -0.0), grads))
+    counts = {
+        name: int(getattr(stats, name)) for name in ("nan_skipped_steps", "inf_skipped_steps")
+    }
+    assert counts == {name: int(name == expected_kind) for name in counts}
+
+
+# --- 5. a state made under other hyperparameters obeys the current ones ---------------------
+
+
+def _dynamic_state(scale, good_steps, overflows_until_backoff):
+    return jls.DynamicLossScaleState(
+        jnp.float32(scale), jnp.int32(good_steps), jnp.int32(overflows_until_backoff)
+    )
+
+
+FINITE, NON_FINITE = {"w": jnp.ones(2)}, {"w": jnp.array([1.0, jnp.inf])}
+
+RESUMED = [
+    # (id, the loss scale now, the saved state, gradients of the next update, state after it)
+    ("above_new_max_finite", jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12),
+     (2.0**20, 5, 1), FINITE, (2.0**12, 6, 1)),
+    ("above_new_max_overflow", jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12),
+     (2.0**20, 5, 1), NON_FINITE, (2.0**11, 0, 1)),
+    ("below_new_min_finite", jls.DynamicLossScale(2.0**5, min_loss_scale=2.0**4),
+     (1.0, 5, 1), FINITE, (2.0**4, 6, 1)),
+    ("below_new_min_overflow", jls.DynamicLossScale(2.0**5, min_loss_scale=2.0**4),
+     (1.0, 5, 1), NON_FINITE, (2.0**4, 0, 1)),
+    ("hysteresis_lowered", jls.DynamicLossScale(2.0**10, hysteresis=1),
+     (2.0**10, 0, 3), NON_FINITE, (2.0**9, 0, 1)),
+    ("hysteresis_raised_keeps_count", jls.DynamicLossScale(2.0**10, hysteresis=3),
+     (2.0**10, 0, 1), NON_FINITE, (2.0**9, 0, 1)),
+    ("increment_period_lowered", jls.DynamicLossScale(2.0**10, increment_period=1000),
+     (2.0**10, 1500, 1), FINITE, (2.0**11, 0, 1)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("loss_scale", "saved", "grads", "expected"),
+    [case[1:] for case in RESUMED],
+    ids=[case[0] for case in RESUMED],
+)
+def test_a_saved_state_obeys_the_current_hyperparameters_from_the_next_update(
+    jit_or_eager, loss_scale, saved, grads, expected
+):
+    state = _dynamic_state(*saved)
+    assert float(loss_scale(state)) == saved[0]  # read as saved until the next update
+    new_state, _ = jit_or_eager(loss_scale.update, state, grads)
+    chex.assert_trees_all_equal(new_state, _dynamic_state(*expected), strict=True)
+
+
+def test_a_fixed_scale_state_takes_the_current_value_from_the_next_update(jit_or_eager):
+    state = jls.FixedLossScale(128.0).init()
+    new_state, should_apply = jit_or_eager(jls.FixedLossScale(1024.0).update, state, FINITE)
+    chex.assert_trees_all_equal(new_state, jls.FixedLossScaleState(jnp.float32(1024.0)))
+    assert bool(should_apply)
+
+
+def test_a_checkpoint_resumed_with_a_lower_max_loss_scale(tmp_path):
+    """Saved at 2**20, resumed under max_loss_scale=2**12 in a jitted, donated step."""
+    params = initial_params()
+    old_tx = jls.loss_scaled(optax.sgd(0.5), jls.DynamicLossScale(2.0**20))
+    new_tx = jls.loss_scaled(optax.sgd(0.5), jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "step", {"params": params, "opt_state": old_tx.init(params)})
+        checkpointer.wait_until_finished()
+        target = {"params": params, "opt_state": jax.eval_shape(new_tx.init, params)}
+        restored = checkpointer.restore(tmp_path / "step", target)
+    opt_state = restored["opt_state"]
+    assert opt_state.loss_scale == jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**20  # as saved, until the next update
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jnp.sum(p["w"]) * 2.0**-10 * scale)(params)
+        updates, opt_state = new_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = step(restored["params"], opt_state)
+    # The gradient was unscaled by the 2**20 it was scaled with: sgd moved w by 0.5 * 2**-10.
+    chex.assert_trees_all_equal(params["w"], jnp.full((4, 1), 0.25 - 2.0**-11))
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**12
+    params, opt_state = step(params, opt_state)
+    chex.assert_trees_all_equal(params["w"], jnp.full((4, 1), 0.25 - 2.0**-10))
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**12
+
+
+# --- 6. count_non_finite saturates -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "chunk", "expected"),
+    [(10, 3, 10), (10, 4, 10), (12, 4, 12), (5, 8, 5), (0, 4, 0)],
+)
+def test_saturating_count_in_chunks_counts_exactly_below_the_limit(size, chunk, expected):
+    assert int(jax.jit(saturating_count, static_argnums=1)(jnp.ones(size, bool), chunk)) == expected
+
+
+def test_count_non_finite_saturates_past_int32_max():
+    # 2**31 + 5 entries, all inf: an int32 sum would wrap to -2**31 + 5.
+    leaf = jax.jit(lambda: jnp.full(2**31 + 5, jnp.inf, jnp.float8_e5m2))()
+    counts = jls.count_non_finite({"big": leaf, "small": jnp.array([1.0, jnp.nan])})
+    del leaf
+    chex.assert_trees_all_equal(
+        counts, {"big": jnp.int32(2**31 - 1), "small": jnp.int32(1)}, strict=True
+    )
+
+
+# --- 7. what a skipped step keeps bit for bit -----------------------------------------------
+
+
+def _float32_bits(*patterns):
+    return jnp.asarray(np.array(patterns, np.uint32).view(np.float32))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="pins XLA's CPU arithmetic")
+def test_what_a_skip_keeps_through_apply_updates_on_cpu():
+    half_bits = [0x3C00, 0x8000, 0x7C00, 0xFE01, 0x7E01, 0x7C01, 0x0001, 0x8001]
+    params = {
+        # 1, -0, +0, -inf, quiet NaNs with payloads; then 2 subnormals and a signalling NaN.
+        "f32": _float32_bits(0x3F800000, 0x80000000, 0x00000000, 0xFF800000, 0x7FC12345,
+                             0xFFC00001, 0x00000001, 0x80000001, 0x7F812345),
+        # 1, -0, inf, -NaN and NaN with payloads, a signalling NaN, 2 subnormals.
+        "bf16": jnp.asarray(np.array([0x3F80, 0x8000, 0x7F80, 0xFFC1, 0x7FC1, 0x7F81, 0x0001,
+                                      0x8001], np.uint16).view(jnp.bfloat16)),
+        "f16": jnp.asarray(np.array(half_bits, np.uint16).view(np.float16)),
+    }  # fmt: skip
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale())
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def skipped_step(params, opt_state):
+        grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    new_params, new_state = skipped_step(params, opt_state)
+    got = bits(new_params)
+    # float32: subnormals flushed to zeros of their sign, a signalling NaN quieted.
+    np.testing.assert_array_equal(got["f32"][:6], bits(params["f32"])[:6])
+    np.testing.assert_array_equal(got["f32"][6:], [0x00000000, 0x80000000, 0x7FC12345])
+    # bfloat16: NaNs become the quiet NaN of their sign, subnormals flushed to zero.
+    np.testing.assert_array_equal(got["bf16"][:3], bits(params["bf16"])[:3])
+    np.testing.assert_array_equal(got["bf16"][3:], [0xFFC0, 0x7FC0, 0x7FC0, 0x0000, 0x8000])
+    # float16: everything kept but the signalling NaN, quieted.
+    np.testing.assert_array_equal(got["f16"], [*half_bits[:5], 0x7E01, *half_bits[6:]])
+    assert_bits_equal(new_state.inner_state, opt_state.inner_state)
+
+
+def test_a_skip_returns_the_inner_state_bit_for_bit_subnormals_and_signalling_nans_included():
+    tx = jls.loss_scaled(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale())
+    params = {"w": jnp.zeros(4)}
+    trace = {"w": _float32_bits(0x00000001, 0x80000001, 0x7F800001, 0x7FA00000)}
+    opt_state = tx.init(params)
+    opt_state = opt_state._replace(
+        inner_state=(optax.TraceState(trace), *opt_state.inner_state[1:])
+    )
+    _, new_state = jax.jit(tx.update)({"w": jnp.full(4, jnp.nan)}, opt_state, params)
+    assert_bits_equal(new_state.inner_state, opt_state.inner_state)
+
+
+# --- 8. the Python version the package claims ----------------------------------------------
+
+
+def _lower_bound(specifier: str) -> tuple[int, ...]:
+    (version,) = re.findall(r">=\s*([\d.]+)", specifier)
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_requires_python_ruff_target_and_readme_agree_with_the_dependencies():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    claimed = _lower_bound(pyproject["project"]["requires-python"])
+    needed = max(
+        _lower_bound(importlib.metadata.metadata(name)["Requires-Python"])
+        for name in ("jax", "jaxlib", "optax")
+    )
+    assert claimed == needed[:2]
+    assert pyproject["tool"]["ruff"]["target-version"] == "py{}{}".format(*claimed)
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r"Python >= (3\.\d+)", readme) == ["{}.{}".format(*claimed)]
