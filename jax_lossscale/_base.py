@@ -14,6 +14,7 @@ from jax_lossscale._tree import (
     check_array_leaves,
     divide_floating,
     multiply_floating,
+    safe_repr,
 )
 
 _Self = TypeVar("_Self", bound="LossScale")
@@ -28,7 +29,10 @@ class LossScale(abc.ABC):
     `jit`, `pmap` and `shard_map` and checkpoints like any other pytree.
 
     Subclasses implement `init`, `__call__`, `update` and `get_config`; `scale`,
-    `unscale` and `from_config` come with it. Every subclass is registered with
+    `unscale` and `from_config` come with it. The state holds the current scale as
+    `loss_scale`, a float32 scalar field (or a property computing it from the
+    other fields), and `__call__` returns it: that is where `get_loss_scale` reads
+    the scale of a `loss_scaled` state. Every subclass is registered with
     JAX as a static pytree (no leaves), so its instances can be passed to `jit`
     as ordinary arguments; they must therefore be hashable and immutable, as a
     frozen dataclass is. Decorate a subclass with `jax_lossscale.register` to
@@ -81,14 +85,16 @@ class LossScale(abc.ABC):
     def from_config(cls: type[_Self], config: dict[str, Any]) -> _Self:
         """Builds a loss scale from the dict returned by `get_config`."""
         if not isinstance(config, dict):
-            raise TypeError(f"{cls.__name__}.from_config(config={config!r}): config must be a dict")
+            raise TypeError(
+                f"{cls.__name__}.from_config(config={safe_repr(config)}): config must be a dict"
+            )
         parameters = inspect.signature(cls).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             unknown = sorted(set(config) - set(parameters))
             if unknown:
                 raise ValueError(
-                    f"{cls.__name__}.from_config(config={config!r}): unknown keys {unknown}; "
-                    f"expected some of {list(parameters)}"
+                    f"{cls.__name__}.from_config(config={safe_repr(config)}): unknown keys "
+                    f"{unknown}; expected some of {list(parameters)}"
                 )
             missing = [
                 name
@@ -99,7 +105,7 @@ class LossScale(abc.ABC):
             ]
             if missing:
                 raise TypeError(
-                    f"{cls.__name__}.from_config(config={config!r}): missing the required "
+                    f"{cls.__name__}.from_config(config={safe_repr(config)}): missing the required "
                     f"keys {missing}"
                 )
         return cls(**config)
@@ -168,7 +174,7 @@ def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> N
     name = type(owner).__name__
     check_named_arrays(
         state,
-        state_template(owner),
+        _state_template(owner),
         where=name,
         label="state",
         source=f"{name}.init()",
@@ -207,10 +213,9 @@ def _describe(value: Any) -> str:
     if isinstance(value, jax.Array | np.ndarray | np.generic):
         weak = ", weakly typed" if getattr(value, "weak_type", False) else ""
         return f"{type(value).__name__} of dtype {value.dtype} and shape {value.shape}{weak}"
-    return f"{type(value).__name__} ({value!r})"
+    return f"{type(value).__name__} ({safe_repr(value)})"
 
 
 @functools.lru_cache(maxsize=128)
-def state_template(owner: LossScale) -> Any:
-    """`jax.eval_shape(owner.init)`: the shapes and dtypes of `owner`'s state."""
+def _state_template(owner: LossScale) -> Any:
     return jax.eval_shape(owner.init)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._tree import PyTree, check_array_leaves, is_floating
+from jax_lossscale._tree import PyTree, check_array_leaves, is_floating, safe_repr
 
 
 def count_non_finite(tree: PyTree) -> PyTree:
@@ -87,7 +87,7 @@ def non_finite_paths(counts: PyTree) -> dict[str, int]:
         if not np.issubdtype(np.asarray(count).dtype, np.integer):
             raise TypeError(
                 f"non_finite_paths: counts leaf at {jax.tree_util.keystr(path) or '<root>'} is "
-                f"{count!r}; pass the tree returned by count_non_finite"
+                f"{safe_repr(count)}; pass the tree returned by count_non_finite"
             )
         total = int(np.sum(count))
         if total:

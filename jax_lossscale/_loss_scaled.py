@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array, state_template
+from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array
 from jax_lossscale._tree import (
     AxisName,
     PyTree,
@@ -72,8 +72,8 @@ class LossScaleStats(NamedTuple):
 class LossScaledState(NamedTuple):
     """State of a `loss_scaled` transformation.
 
-    The scale lives in `loss_scale_state` alone; `loss_scale` is the `LossScale`
-    that reads it, a pytree with no leaves (so it adds no array to the state).
+    The scale lives in `loss_scale_state` alone, as its `loss_scale`; `stats`
+    holds what the wrapper counts.
 
     Example:
       >>> import jax.numpy as jnp
@@ -87,14 +87,12 @@ class LossScaledState(NamedTuple):
                                       nan_skipped_steps=Array(0, dtype=int32),
                                       inf_skipped_steps=Array(0, dtype=int32),
                                       consecutive_skipped_steps=Array(0, dtype=int32),
-                                      last_step_applied=Array(True, dtype=bool)),
-                      loss_scale=FixedLossScale(loss_scale_value=4.0))
+                                      last_step_applied=Array(True, dtype=bool)))
     """
 
     inner_state: optax.OptState
     loss_scale_state: PyTree
     stats: StepStats
-    loss_scale: LossScale
 
 
 def loss_scaled(
@@ -118,9 +116,11 @@ def loss_scaled(
     bit for bit (signed zeros, infinities and quiet NaNs included), except where
     the backend's own addition changes a value: XLA on CPU flushes float32 and
     bfloat16 subnormal numbers to zero and quiets signalling NaNs in any addition.
-    The inner state keeps its bits; if `inner` changes the dtype of a state leaf
-    across an update (adam's moments of bfloat16 params given float32 gradients
-    become float32), a skipped step converts the old values to that dtype, exactly.
+    The inner state keeps its bits. Where `inner` changes a state leaf's dtype across
+    an update (adam's moments of bfloat16 params given float32 gradients become
+    float32), skipped and applied steps both return the leaf in the dtype that holds
+    the old and the new values exactly, the old ones converted; a weakly typed leaf
+    (made from a Python number) takes the dtype the update gives it.
 
     Put everything that should see the true gradients, gradient clipping and
     `optax.MultiSteps` included, inside `inner`. `optax.MultiSteps(loss_scaled(...))`
@@ -172,6 +172,7 @@ def loss_scaled(
             f"jax_lossscale.LossScale such as DynamicLossScale(), got {received}"
         )
     check_axis_name(axis_name, caller="loss_scaled", require_bound=False)
+    _check_scale_field(loss_scale)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScaledState:
@@ -194,7 +195,6 @@ def loss_scaled(
                 consecutive_skipped_steps=jnp.zeros_like(no_steps),
                 last_step_applied=jnp.ones([], jnp.bool_),
             ),
-            loss_scale=loss_scale,
         )
 
     def update_fn(
@@ -208,10 +208,8 @@ def loss_scaled(
         check_axis_name(axis_name, caller="loss_scaled.update")
         scaled_grads = updates
 
-        # The loss was multiplied by the scale that get_loss_scale(state) reads: the one in
-        # state.loss_scale_state, read by the loss scale that made it.
         def unscale():
-            return state.loss_scale.unscale(state.loss_scale_state, scaled_grads)
+            return loss_scale.unscale(state.loss_scale_state, scaled_grads)
 
         grads = unscale()
         loss_scale_state, finite = loss_scale.update(state.loss_scale_state, grads, axis_name)
@@ -261,7 +259,7 @@ def loss_scaled(
             ),
             last_step_applied=finite,
         )
-        return new_updates, LossScaledState(inner_state, loss_scale_state, stats, loss_scale)
+        return new_updates, LossScaledState(inner_state, loss_scale_state, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -317,20 +315,16 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
       (1, False)
     """
     state = _find_state(opt_state, "get_loss_scale_stats")
-    stats = state["stats"] if isinstance(state, Mapping) else state.stats
-    recorded = {field: _unwrapped(_field(stats, field)) for field in StepStats._fields}
+    stats = _unwrapped(_field(state, "stats"))
+    recorded = {field: _field(stats, field) for field in StepStats._fields}
     return LossScaleStats(loss_scale=_read_scale(state, "get_loss_scale_stats"), **recorded)
 
 
-# The fields a LossScaledState keeps as a mapping once flax nnx has turned it into an
-# `nnx.State`, which holds arrays only and so drops the `loss_scale` field.
-_MAPPED_FIELDS = frozenset(LossScaledState._fields) - {"loss_scale"}
-
-
 def _is_wrapper_state(node: Any) -> bool:
-    if isinstance(node, LossScaledState):
-        return True
-    return isinstance(node, Mapping) and _MAPPED_FIELDS <= set(node) <= set(LossScaledState._fields)
+    # flax nnx's `nnx.state` turns the NamedTuple into a mapping of its fields.
+    if isinstance(node, Mapping):
+        return set(node) == set(LossScaledState._fields)
+    return isinstance(node, LossScaledState)
 
 
 def _wrapper_states(tree: PyTree) -> list[tuple[Any, Any]]:
@@ -355,41 +349,44 @@ def _find_state(opt_state: Any, caller: str) -> Any:
 
 
 def _read_scale(state: Any, caller: str) -> jax.Array:
-    """The scale held in a `LossScaledState`, or in the mapping nnx makes of one."""
-    if isinstance(state, LossScaledState):
-        return _scale_of(state.loss_scale, _unwrapped(state.loss_scale_state))
-    loss_scale_state = state["loss_scale_state"]
-    scale = loss_scale_state.get("loss_scale") if isinstance(loss_scale_state, Mapping) else None
-    scale = _unwrapped(scale)
+    """The `loss_scale` of the loss scale's state inside a `LossScaledState` (or its mapping).
+
+    With leading axes where the state was stacked by `vmap` or replicated for `pmap`.
+    """
+    loss_scale_state = _unwrapped(_field(state, "loss_scale_state"))
+    try:
+        scale = _field(loss_scale_state, "loss_scale")
+    except (AttributeError, KeyError, TypeError):
+        scale = None
     if getattr(scale, "dtype", None) != np.float32:
         raise LookupError(
-            f"{caller}: opt_state holds a loss_scaled state as a mapping (as nnx.state makes "
-            "it), whose loss_scale_state has no float32 'loss_scale'; pass the optimizer or "
-            "its opt_state instead, which keep the LossScale that reads the scale"
+            f"{caller}: the loss scale's state in opt_state ({type(loss_scale_state).__name__}) "
+            "holds no float32 loss_scale"
         )
     return scale
 
 
-def _scale_of(loss_scale: LossScale, loss_scale_state: PyTree) -> jax.Array:
-    """`loss_scale(loss_scale_state)`, mapped over the leading axes of a stacked state.
-
-    A state made by `vmap(tx.init)`, or replicated for `pmap` and read outside it,
-    has the same leading axes on every leaf; its scale is read for each of their entries.
-    """
-    leaves = jax.tree.leaves(loss_scale_state)
-    template = jax.tree.leaves(state_template(loss_scale))
-    leading = {
-        np.shape(leaf)[: np.ndim(leaf) - t.ndim] for leaf, t in zip(leaves, template, strict=False)
-    }
-    read = loss_scale._checked_scale
-    if len(leaves) == len(template) and len(leading) == 1:
-        for _ in next(iter(leading)):
-            read = jax.vmap(read)
-    return read(loss_scale_state)
-
-
 def _field(node: Any, name: str) -> Any:
     return node[name] if isinstance(node, Mapping) else getattr(node, name)
+
+
+def _check_scale_field(loss_scale: LossScale) -> None:
+    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`."""
+    try:
+        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
+    except AttributeError:
+        found = "none"
+    else:
+        if scale.shape == () and scale.dtype == np.float32:
+            return
+        found = f"dtype {scale.dtype} and shape {scale.shape}"
+    state_type = type(jax.eval_shape(loss_scale.init)).__name__
+    raise TypeError(
+        f"loss_scaled(loss_scale={short_repr(loss_scale)}): the state of a LossScale must hold "
+        "its current scale as a float32 scalar loss_scale (a field or a property), where "
+        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
+        f"with loss_scale of {found}"
+    )
 
 
 def _unwrapped(tree: PyTree) -> PyTree:
@@ -420,11 +417,6 @@ def _check_wrapper_state(state: Any) -> None:
         raise TypeError(
             f"{where}: state must be the LossScaledState returned by init(), "
             f"got {type(state).__name__}"
-        )
-    if not isinstance(state.loss_scale, LossScale):
-        raise TypeError(
-            f"{where}: state.loss_scale must be the LossScale that made the state, got "
-            f"{short_repr(state.loss_scale)}; build states with init()"
         )
     check_named_arrays(
         state.stats, _STATS_TEMPLATE, where=where, label="state.stats", source="init()"
@@ -493,6 +485,7 @@ def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDty
     candidates = [new.dtype, old_type.dtype]
     with contextlib.suppress(jax.dtypes.TypePromotionError):  # as between 8-bit floats
         candidates.append(jnp.promote_types(old_type.dtype, new.dtype))
+    candidates.append(jnp.dtype(jnp.float32))
     for dtype in candidates:
         if _holds_exactly(dtype, old_type.dtype) and _holds_exactly(dtype, new.dtype):
             return new.update(dtype=dtype, weak_type=False)
@@ -504,7 +497,29 @@ def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDty
 
 
 def _holds_exactly(dtype: Any, other: Any) -> bool:
-    return dtype == other or bool(np.can_cast(other, dtype, casting="safe"))
+    """Whether every value of dtype `other` is a value of `dtype`."""
+    dtype, other = jnp.dtype(dtype), jnp.dtype(other)
+    if dtype == other or other == jnp.bool_:
+        return True
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return bool(np.can_cast(other, dtype, casting="safe"))
+    wide = jnp.finfo(dtype)
+    if jnp.issubdtype(other, jnp.integer):
+        limits = jnp.iinfo(other)
+        return max(-int(limits.min), int(limits.max)).bit_length() <= wide.nmant + 1
+    if not jnp.issubdtype(other, jnp.floating):
+        return False
+    narrow = jnp.finfo(other)
+    return (
+        wide.nmant >= narrow.nmant
+        and wide.maxexp >= narrow.maxexp
+        and wide.minexp - wide.nmant <= narrow.minexp - narrow.nmant  # the smallest subnormal
+        and (_has_infinity(dtype) or not _has_infinity(other))
+    )
+
+
+def _has_infinity(dtype: Any) -> bool:
+    return bool(np.isinf(np.array(np.inf).astype(dtype)))
 
 
 def _as_types(tree: PyTree, types: PyTree) -> PyTree:

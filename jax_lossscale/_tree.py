@@ -185,6 +185,16 @@ def _path_name(path: tuple) -> str:
     return jax.tree_util.keystr(path) if path else "<root>"
 
 
+def safe_repr(value: Any) -> str:
+    """`repr(value)`, or a description where Python refuses to print it."""
+    try:
+        return repr(value)
+    except ValueError:  # it holds an int beyond Python's limit on digits for str()
+        if isinstance(value, int):
+            return f"<int of {value.bit_length()} bits>"
+        return f"<{type(value).__name__} too large to print>"
+
+
 def short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    text = safe_repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

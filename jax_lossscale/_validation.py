@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_lossscale._tree import safe_repr
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -25,10 +27,7 @@ def fail(owner: str, name: str, value: Any, requirement: str, error: type = Valu
 
 def describe(value: Any, limit: int = 80) -> str:
     """`repr(value)`, shortened in the middle when longer than `limit` characters."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int beyond Python's limit on digits for str()
-        return f"<{type(value).__name__} of {value.bit_length()} bits>"
+    text = safe_repr(value)
     if len(text) <= limit:
         return text
     return f"{text[: limit // 2]}...{text[-(limit // 4) :]}"

@@ -10,6 +10,7 @@ arguments traced, since the checks must fire at trace time.
 
 import dataclasses
 import math
+import pickle
 import re
 from collections import namedtuple
 from collections.abc import Callable
@@ -192,6 +193,7 @@ _HUGE_NUMBERS = [
         "Fraction(" + "1" + "0" * 30 + "..." + "0" * 16 + ", 3)",
     ),
     ("10**5000", 10**5000, "<int of 16610 bits>"),  # beyond Python's limit for str(int)
+    ("Fraction(10**5000, 3)", Fraction(10**5000, 3), "<Fraction too large to print>"),
 ]
 for _name, (_optional, _cls, _specific) in _REAL_PARAMS.items():
     _base = {"loss_scale_value": 4.0} if _cls is jls.FixedLossScale else {}
@@ -226,6 +228,34 @@ for _id, _value, _text in _HUGE_NUMBERS:
         message=f"DynamicLossScale(initial_loss_scale={_text}): initial_loss_scale must be "
         + F32_MAX_TEXT,
     )
+
+# Values Python refuses to print, elsewhere in a message.
+_UNPRINTABLE = {"a": 10**5000}
+add(
+    "deserialize-unknown_class_with_unprintable_config",
+    jls.deserialize,
+    {"class_name": "Nope", "config": _UNPRINTABLE},
+    error=ValueError,
+    arg="class_name",
+    value="<dict too large to print>",
+)
+add(
+    "DynamicLossScale.from_config-unknown_key_unprintable",
+    jls.DynamicLossScale.from_config,
+    _UNPRINTABLE,
+    error=ValueError,
+    arg="config",
+    value="<dict too large to print>",
+)
+add(
+    "all_finite-unprintable_leaf",
+    jls.all_finite,
+    _UNPRINTABLE,
+    error=TypeError,
+    arg="tree",
+    value="<int of 16610 bits>",
+    message=f"all_finite: tree leaf at ['a'] has type int (<int of 16610 bits>); {LEAF_TEXT}",
+)
 
 for _name in ["increment_period", "hysteresis"]:
     for _value in ["2", None, [2], True, 2.0, 2 + 0j, NAN, np.float32(2.0)]:
@@ -1130,9 +1160,10 @@ def _fingerprint(tree: Any) -> tuple:
             host = np.asarray(jax.device_get(leaf))
             weak = getattr(leaf, "weak_type", False)
             return type(leaf), host.dtype, host.shape, weak, host.tobytes()
-        if isinstance(leaf, int):  # hex, unlike repr, prints ints beyond 4300 digits
-            return type(leaf), hex(leaf)
-        return type(leaf), repr(leaf)
+        try:
+            return type(leaf), repr(leaf)
+        except ValueError:  # an int beyond Python's limit on digits for str(), or holding one
+            return type(leaf), pickle.dumps(leaf)
 
     # Loss scales are static pytrees (no leaves); their repr shows every hyperparameter.
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, jls.LossScale))

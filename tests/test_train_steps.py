@@ -25,6 +25,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale._diagnostics import saturating_count
+from jax_lossscale._loss_scaled import _holds_exactly
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -49,12 +50,16 @@ def assert_close_in_dtype(actual, expected, eps):
 
 
 class PowerOfTwoState(NamedTuple):
-    exponent: jax.Array  # int32: the scale is 2**exponent
+    exponent: jax.Array  # int32
+
+    @property
+    def loss_scale(self) -> jax.Array:  # where get_loss_scale reads the scale
+        return jnp.exp2(self.exponent.astype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
 class PowerOfTwoLossScale(jls.LossScale):
-    """A user loss scale whose state holds no float at all: the scale is 2**exponent.
+    """A user loss scale whose state holds no float: its `loss_scale` is 2**exponent.
 
     It backs off by one power of two on a non-finite step and never grows.
     """
@@ -65,7 +70,7 @@ class PowerOfTwoLossScale(jls.LossScale):
         return PowerOfTwoState(jnp.asarray(self.initial_exponent, jnp.int32))
 
     def __call__(self, state):
-        return jnp.exp2(state.exponent.astype(jnp.float32))
+        return state.loss_scale
 
     def update(self, state, grads, axis_name=None):
         finite = jls.all_finite(grads, axis_name)
@@ -226,8 +231,38 @@ def test_the_scale_is_stored_once(loss_scale):
     assert not [
         leaf for leaf in outside_loss_scale_state if leaf.dtype == jnp.float32 and leaf.shape == ()
     ]
-    assert opt_state.loss_scale is loss_scale  # a pytree with no leaves: it adds no array
-    assert jax.tree.leaves(opt_state.loss_scale) == []
+    floats = [
+        leaf for leaf in jax.tree.leaves(opt_state.loss_scale_state) if leaf.dtype == jnp.float32
+    ]
+    assert len(floats) == (0 if isinstance(loss_scale, PowerOfTwoLossScale) else 1)
+
+
+class _ExponentOnly(NamedTuple):
+    exponent: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoScaleFieldLossScale(PowerOfTwoLossScale):
+    """Its state does not say where the scale is: loss_scaled cannot read it."""
+
+    def init(self):
+        return _ExponentOnly(jnp.asarray(self.initial_exponent, jnp.int32))
+
+    def __call__(self, state):
+        return jnp.exp2(state.exponent.astype(jnp.float32))
+
+
+def test_a_loss_scale_whose_state_holds_no_loss_scale_is_refused_by_loss_scaled():
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "loss_scaled(loss_scale=_NoScaleFieldLossScale(initial_exponent=10)): the state of a "
+            "LossScale must hold its current scale as a float32 scalar loss_scale (a field or a "
+            "property), where get_loss_scale reads it; _NoScaleFieldLossScale.init() returns "
+            "_ExponentOnly with loss_scale of none"
+        ),
+    ):
+        jls.loss_scaled(optax.sgd(0.1), _NoScaleFieldLossScale())
 
 
 # --- 3. params and gradients of different dtypes --------------------------------------------
@@ -355,6 +390,48 @@ def test_a_weakly_typed_inner_state_leaf_takes_the_dtype_bare_optax_gives_it(
     chex.assert_trees_all_equal(skipped.inner_state, {"total": grad_dtype(0.5)}, strict=True)
 
 
+def test_a_float8_state_widened_by_the_update_is_kept_exactly_on_a_skip(jit_or_eager):
+    """An inner that keeps a float8 state and returns it as bfloat16 (no implicit promotion)."""
+
+    def init(params):
+        return {"last": jnp.array([448.0, -0.015625, 0.0], jnp.float8_e4m3fn)}
+
+    def update(updates, state, params=None):
+        return updates, {"last": updates["w"].astype(jnp.bfloat16)}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(3)}
+    initial = tx.init(params)
+    _, skipped = jit_or_eager(tx.update, {"w": jnp.array([jnp.nan, 0.0, 0.0])}, initial, params)
+    expected = {"last": jnp.array([448.0, -0.015625, 0.0], jnp.bfloat16)}
+    assert_bits_equal(skipped.inner_state, expected)
+    _, applied = jit_or_eager(tx.update, {"w": jnp.array([1.5, 2.0, -3.0])}, initial, params)
+    assert_bits_equal(applied.inner_state, {"last": jnp.array([1.5, 2.0, -3.0], jnp.bfloat16)})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "other", "holds"),
+    [
+        (jnp.float32, jnp.bfloat16, True),
+        (jnp.bfloat16, jnp.float32, False),
+        (jnp.float16, jnp.bfloat16, False),  # fewer exponent bits
+        (jnp.bfloat16, jnp.float16, False),  # fewer mantissa bits
+        (jnp.bfloat16, jnp.float8_e4m3fn, True),
+        (jnp.float16, jnp.float8_e5m2, True),
+        (jnp.float8_e4m3fn, jnp.float8_e5m2, False),  # no infinity, smaller range
+        (jnp.float8_e4m3fn, jnp.int8, False),  # 127 needs 7 significant bits
+        (jnp.float32, jnp.int16, True),
+        (jnp.float32, jnp.int32, False),
+        (jnp.int32, jnp.int8, True),
+        (jnp.float16, jnp.bool_, True),
+        (jnp.complex64, jnp.float32, True),
+        (jnp.float32, jnp.complex64, False),
+    ],
+)
+def test_which_dtype_holds_another_exactly(dtype, other, holds):
+    assert _holds_exactly(dtype, other) is holds
+
+
 def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():
     def init(params):
         return {"count": jnp.zeros([], jnp.int32)}
@@ -478,7 +555,6 @@ def test_a_checkpoint_resumed_with_a_lower_max_loss_scale(tmp_path):
         target = {"params": params, "opt_state": jax.eval_shape(new_tx.init, params)}
         restored = checkpointer.restore(tmp_path / "step", target)
     opt_state = restored["opt_state"]
-    assert opt_state.loss_scale == jls.DynamicLossScale(2.0**10, max_loss_scale=2.0**12)
     assert float(jls.get_loss_scale(opt_state)) == 2.0**20  # as saved, until the next update
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
