@@ -115,7 +115,8 @@ def loss_scaled(
     On a skipped step `optax.apply_updates(params, updates)` returns `params`
     bit for bit (signed zeros, infinities and quiet NaNs included), except where
     the backend's own addition changes a value: XLA on CPU flushes float32 and
-    bfloat16 subnormal numbers to zero and quiets signalling NaNs in any addition.
+    bfloat16 subnormal numbers to zero, quiets signalling NaNs and gives bfloat16
+    NaNs the canonical payload in any addition.
     The inner state keeps its bits. Where `inner` changes a state leaf's dtype across
     an update (adam's moments of bfloat16 params given float32 gradients become
     float32), skipped and applied steps both return the leaf in the dtype that holds
@@ -184,15 +185,14 @@ def loss_scaled(
             )
         loss_scale_state = loss_scale.init()
         loss_scale._checked_scale(loss_scale_state)  # a user subclass's __call__, checked early
-        no_steps = jnp.zeros([], jnp.int32)
         return LossScaledState(
             inner_state=inner_state,
             loss_scale_state=loss_scale_state,
             stats=StepStats(
-                skipped_steps=no_steps,
-                nan_skipped_steps=jnp.zeros_like(no_steps),
-                inf_skipped_steps=jnp.zeros_like(no_steps),
-                consecutive_skipped_steps=jnp.zeros_like(no_steps),
+                skipped_steps=jnp.zeros([], jnp.int32),
+                nan_skipped_steps=jnp.zeros([], jnp.int32),
+                inf_skipped_steps=jnp.zeros([], jnp.int32),
+                consecutive_skipped_steps=jnp.zeros([], jnp.int32),
                 last_step_applied=jnp.ones([], jnp.bool_),
             ),
         )
