@@ -221,21 +221,31 @@ def loss_scaled(
         def skip_for_nan():  # for the stats; unscaling makes no NaN and removes none
             return any_nan(scaled_grads)
 
-        # The branch unscales on its own, so that XLA can fuse the multiplication into the
-        # inner update instead of keeping the unscaled gradients in memory.
+        # The branch unscales on its own, so that XLA can fuse the division into the inner
+        # update instead of keeping the unscaled gradients in memory.
         def inner_update():
-            return inner.update(unscale(), state.inner_state, params, **extra_args)
+            with _explaining_failures(inner, state.inner_state, [params, scaled_grads]):
+                return inner.update(unscale(), state.inner_state, params, **extra_args)
 
-        updates_type, inner_state_type = _inner_update_types(
-            inner, inner_update, state.inner_state, [params, scaled_grads]
-        )
+        # The types both branches return, taken from the trace of the applied branch, which
+        # `cond` traces first: the inner update is traced once, not again for the skip.
+        branch_types = []
+
+        def types_of(new_updates, new_inner_state):
+            if not branch_types:
+                branch_types.append(_branch_types(state.inner_state, new_updates, new_inner_state))
+            return branch_types[0]
 
         def apply_inner():
-            new_updates, inner_state = inner_update()
+            new_updates, new_inner_state = inner_update()
+            _, inner_state_type = types_of(new_updates, new_inner_state)
             no_nan = jnp.zeros_like(jax.eval_shape(skip_for_nan))
-            return new_updates, _as_types(inner_state, inner_state_type), no_nan
+            return new_updates, _as_types(new_inner_state, inner_state_type), no_nan
 
         def skip_inner():
+            if not branch_types:  # traced alone, as under jax.disable_jit
+                types_of(*jax.eval_shape(inner_update))
+            updates_type, inner_state_type = branch_types[0]
             return (
                 jax.tree.map(_negative_zeros, updates_type),
                 _as_types(state.inner_state, inner_state_type),
@@ -423,13 +433,10 @@ def _check_wrapper_state(state: Any) -> None:
     )
 
 
-def _inner_update_types(
-    inner: optax.GradientTransformation,
-    inner_update: Any,
-    inner_state: PyTree,
-    init_arguments: list[PyTree],
+def _branch_types(
+    inner_state: PyTree, new_updates: PyTree, new_inner_state: PyTree
 ) -> tuple[PyTree, PyTree]:
-    """The types of `inner_update()`'s updates, and those its state and a skip's share.
+    """The types of the updates, and those the inner state takes on both branches.
 
     A skipped step returns the old inner state, the applied one the new: each leaf
     takes the dtype that holds both exactly (bfloat16 moments that become float32
@@ -437,14 +444,41 @@ def _inner_update_types(
     typed leaf (one made from a Python number) takes the new leaf's dtype, as it
     would in any operation with it.
     """
+    updates_type = jax.tree.map(_type_of, new_updates)
+    new_state_type = jax.tree.map(_type_of, new_inner_state)
+    return updates_type, jax.tree_util.tree_map_with_path(_joined_type, inner_state, new_state_type)
+
+
+def _type_of(value: Any) -> jax.ShapeDtypeStruct:
+    """The shape, dtype, weak type and varying manual axes of `value`, a tracer.
+
+    (`jax.ShapeDtypeStruct.like` first asks a tracer for its sharding, which takes far
+    longer than tracing.)
+    """
+    aval = jax.typeof(value)
+    if _manual_axes(aval) is None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(  # inside shard_map: the axes over which it varies
+        aval.shape,
+        aval.dtype,
+        sharding=aval.sharding,
+        weak_type=aval.weak_type,
+        manual_axis_type=aval.manual_axis_type,
+    )
+
+
+@contextlib.contextmanager
+def _explaining_failures(
+    inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
+) -> Any:
+    """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s."""
     try:
-        updates_type, new_state_type = jax.eval_shape(inner_update)
+        yield
     except Exception as error:
         mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
         if mismatch is None:
             raise
         raise TypeError(mismatch) from error
-    return updates_type, jax.tree_util.tree_map_with_path(_joined_type, inner_state, new_state_type)
 
 
 def _inner_state_mismatch(
@@ -536,9 +570,15 @@ def _as_type(value: Any, target: jax.ShapeDtypeStruct) -> jax.Array:
     value_type = jax.typeof(value)
     if value_type.dtype != target.dtype or value_type.weak_type != target.weak_type:
         value = jax.lax.convert_element_type(value, target.dtype)
-    if getattr(value_type, "manual_axis_type", None) != getattr(target, "manual_axis_type", None):
+    if _manual_axes(value_type) != _manual_axes(target):
         value = jnp.where(jnp.full_like(target, True, dtype=jnp.bool_), value, value)
     return value
+
+
+def _manual_axes(value_type: Any) -> Any:
+    """The `shard_map` axes over which a value varies, None for none."""
+    manual_axes = getattr(value_type, "manual_axis_type", None)
+    return None if manual_axes is None or manual_axes.empty else manual_axes
 
 
 def _check_should_apply(loss_scale: LossScale, should_apply: Any) -> None:

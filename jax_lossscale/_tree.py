@@ -111,8 +111,13 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
-    """`all_finite` without the leaf check, for callers that have made it already."""
-    flags = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if is_floating(leaf)]
+    """`all_finite` without the leaf check, for callers that have made it already.
+
+    A part is finite when the sum of `part - part` is: each term is 0, or NaN for
+    +-inf and NaN, and a sum propagates NaN. XLA fuses the subtraction into the
+    reduction, which reads the part once and writes nothing.
+    """
+    flags = [jnp.isfinite(jnp.sum(jnp.subtract(part, part))) for part in floating_parts(tree)]
     finite = jnp.stack(flags).all() if flags else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -122,25 +127,57 @@ def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
 def any_nan(tree: PyTree) -> jax.Array:
     """Whether a floating leaf of `tree` holds a NaN.
 
-    Each leaf's test is the dot product of the leaf with itself (of its real and
-    imaginary parts, for complex leaves), a sum of squares that is NaN exactly when
-    the leaf holds a NaN, since infinities square to +inf. It is accumulated in
-    float32 or wider: 8-bit floats without an infinity would turn an overflowing
-    square into NaN. XLA runs it as a library call reading the leaf in place, cheap
-    to compile, where a reduction of booleans would first write them out.
+    A part holds a NaN when its sum of squares is NaN: infinities square to +inf,
+    and a sum of non-negative terms is NaN only if a term is. The squares are taken
+    in float32 or wider, where an 8-bit float without an infinity would overflow to NaN.
     """
-    flags = []
-    for leaf in jax.tree.leaves(tree):
-        if is_floating(leaf):
-            parts = [leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf]
-            flags += [jnp.isnan(_sum_of_squares(part)) for part in parts]
+    flags = [
+        jnp.isnan(jnp.sum(jnp.square(jnp.asarray(part, wide_dtype(part.dtype)))))
+        for part in floating_parts(tree)
+    ]
     return jnp.stack(flags).any() if flags else jnp.array(False)
 
 
-def _sum_of_squares(part: jax.Array) -> jax.Array:
-    if jnp.finfo(part.dtype).bits >= 16:
-        return jnp.vdot(part, part)
-    return jnp.vdot(part, part, preferred_element_type=jnp.float32)
+def wide_dtype(dtype: Any) -> Any:
+    """`dtype` if it has 32 bits or more, else float32: the precision to compute in."""
+    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
+
+
+SMALL_PART = 2**12  # entries: a leaf this small is checked together with others
+GROUP_SIZE = 2**16  # entries: at most this many of them are joined into one part
+
+
+def floating_parts(tree: PyTree, join_small: bool | None = None) -> list[jax.Array]:
+    """The floating leaves of `tree` as parts to reduce, few of them for many leaves.
+
+    Complex leaves give their real and imaginary parts. With `join_small` (by default
+    when the process has one device, so that no leaf can be sharded), leaves of at most
+    `SMALL_PART` entries are joined, by dtype, into parts of at most `GROUP_SIZE`
+    entries: XLA compiles one reduction per group instead of one per leaf, and the
+    joined copies, at most `GROUP_SIZE` entries each, are all the memory it takes.
+    Across devices a joined part would gather sharded leaves, so each leaf stays apart.
+    """
+    if join_small is None:
+        join_small = jax.device_count() == 1
+    parts, small = [], {}
+    for leaf in jax.tree.leaves(tree):
+        if not is_floating(leaf):
+            continue
+        for part in [leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf]:
+            if join_small and part.size <= SMALL_PART:
+                small.setdefault(part.dtype, []).append(part.reshape(-1))
+            else:
+                parts.append(part)
+    for same_dtype in small.values():
+        group, size = [], 0
+        for part in same_dtype:
+            if group and size + part.size > GROUP_SIZE:
+                parts.append(jnp.concatenate(group))
+                group, size = [], 0
+            group.append(part)
+            size += part.size
+        parts.append(jnp.concatenate(group) if len(group) > 1 else group[0])
+    return parts
 
 
 @jax.jit
@@ -175,8 +212,7 @@ def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> Py
     def apply(leaf):
         if not is_floating(leaf):
             return leaf
-        wide = leaf.dtype if jnp.finfo(leaf.dtype).bits >= 32 else jnp.float32
-        return fn(leaf, wide).astype(leaf.dtype)
+        return fn(leaf, wide_dtype(leaf.dtype)).astype(leaf.dtype)
 
     return jax.tree.map(apply, tree)
 

@@ -1038,3 +1038,23 @@ def test_jitted_train_step_traces_once():
     assert max(scales) == 2.0**13
     assert int(opt_state.stats.skipped_steps) == 3
     assert float(loss_fn(params, x, y)) < initial_loss
+
+
+def test_the_inner_update_is_traced_once_per_trace_of_the_step():
+    """Both branches of the skip get their types from one trace of the inner update."""
+    calls = []
+    adam = optax.adam(1e-2)
+
+    def update(updates, state, params=None):
+        calls.append(None)
+        return adam.update(updates, state, params)
+
+    tx = jls.loss_scaled(optax.GradientTransformation(adam.init, update), jls.DynamicLossScale())
+    params = {"w": jnp.ones(3), "b": jnp.zeros([])}
+    jax.jit(tx.update).trace(params, tx.init(params), params)
+    assert len(calls) == 1
+    with jax.disable_jit():  # a skip traced alone still finds its types
+        _, state = tx.update(
+            {"w": jnp.full(3, jnp.nan), "b": jnp.zeros([])}, tx.init(params), params
+        )
+    assert int(jls.get_loss_scale_stats(state).nan_skipped_steps) == 1

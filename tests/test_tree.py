@@ -1,6 +1,11 @@
 """`all_finite` (DESIGN.md 3.1): edge cases, leaf checks and agreement across devices."""
 
+import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 
 import chex
@@ -12,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
+from jax_lossscale._tree import GROUP_SIZE, SMALL_PART, floating_parts
 
 N_DEVICES = 8
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
@@ -311,3 +317,112 @@ def test_spmd_jit_update_without_axis_name_matches_one_device(jit_or_eager, mesh
     assert bool(should_apply) is (bad is None)
     assert float(ls(state)) == (2.0**16 if bad is None else 2.0**14)
     assert bool(jit_or_eager(jls.all_finite, sharded)) is (bad is None)
+
+
+# --- the reductions behind the finite check and the NaN search --------------------------------
+
+JOIN_SCRIPT = textwrap.dedent(
+    """
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jax_lossscale as jls
+    from jax_lossscale._tree import any_nan, finite_flag
+
+    assert jax.device_count() == 1
+    rng = np.random.default_rng(0)
+    DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, np.complex64]
+    # 300 small leaves of five dtypes, in more than one group, and two large ones.
+    tree = {f"s{i:03d}": rng.normal(size=(int(rng.integers(1, 600)),)).astype(DTYPES[i % 5])
+            for i in range(300)}
+    tree["big"] = rng.normal(size=(70, 100)).astype(np.float32)
+    tree["big16"] = rng.normal(size=(5000,)).astype(np.float16)
+    results = []
+    for key in ["s000", "s001", "s004", "s137", "s299", "big", "big16"]:
+        for value in ["nan", "inf", "-inf", None]:
+            t = dict(tree)
+            if value is not None:
+                leaf = np.array(t[key])
+                leaf.reshape(-1)[leaf.size // 2] = float(value)
+                t[key] = leaf
+            results.append([key, value, bool(jls.all_finite(t)), bool(jax.jit(any_nan)(t))])
+    jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(tree))
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
+    bad = dict(tree, s137=np.full_like(tree["s137"], np.nan))
+    _, state = jax.jit(tx.update)(bad, tx.init(tree), tree)
+    stats = jls.get_loss_scale_stats(state)
+    print(json.dumps({
+        "results": results,
+        "reductions": jaxpr.count("reduce_sum"),
+        "skipped_for_nan": int(stats.nan_skipped_steps),
+    }))
+    """
+)
+
+
+def test_one_device_joins_small_leaves_and_still_finds_each_nan_and_inf():
+    """With one device, small leaves are checked together; every bad entry is still found."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", JOIN_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for key, value, finite_, has_nan in report["results"]:
+        assert finite_ is (value is None), (key, value)
+        assert has_nan is (value == "nan"), (key, value)
+    assert report["skipped_for_nan"] == 1
+    # 302 leaves (60 of them complex, so 362 parts): two alone, the small ones in 4 groups,
+    # one per dtype (the complex leaves' parts join the float32 ones).
+    assert report["reductions"] == 2 + 4
+
+
+def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
+    tree = {
+        "a": jnp.ones(3000, jnp.float32),
+        "b": jnp.ones(3000, jnp.float32),
+        "c": jnp.ones((40, 10), jnp.bfloat16),
+        "d": jnp.ones(5000, jnp.float32),  # above SMALL_PART: a part of its own
+        "e": jnp.ones(2, jnp.complex64),  # its real and imaginary parts, as float32
+        "i": jnp.ones(3, jnp.int32),  # not floating: left out
+    }
+    assert (SMALL_PART, GROUP_SIZE) == (4096, 65536)
+    parts = floating_parts(tree, join_small=True)
+    shapes = sorted((str(part.dtype), part.shape) for part in parts)
+    assert shapes == [("bfloat16", (400,)), ("float32", (5000,)), ("float32", (6004,))]
+    apart = floating_parts(tree, join_small=False)
+    assert [part.shape for part in apart] == [(3000,), (3000,), (40, 10), (5000,), (2,), (2,)]
+
+
+def test_floating_parts_start_a_new_group_past_the_group_size():
+    tree = [jnp.ones(4000, jnp.float32) for _ in range(40)]  # 160,000 entries
+    sizes = [part.size for part in floating_parts(tree, join_small=True)]
+    assert sizes == [64000, 64000, 32000]
+
+
+@pytest.mark.parametrize("join_small", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_sum_of_part_minus_part_is_finite_exactly_when_the_part_is(join_small, dtype):
+    rng = np.random.default_rng(1)
+    leaves = [rng.normal(size=n).astype(np.float32) * 100 for n in (1, 7, 4096, 5000)]
+    for index in range(len(leaves)):
+        for value in (np.nan, np.inf, -np.inf):
+            bad = [leaf.copy() for leaf in leaves]
+            bad[index][-1] = value
+            parts = floating_parts([jnp.asarray(x, dtype) for x in bad], join_small=join_small)
+            flags = [bool(jnp.isfinite(jnp.sum(part - part))) for part in parts]
+            assert not all(flags), (index, value)
+            squares = [jnp.sum(jnp.square(part.astype(jnp.float32))) for part in parts]
+            has_nan = bool(jnp.isnan(jnp.asarray(value, dtype)))  # e4m3fn has no inf: NaN
+            assert any(bool(jnp.isnan(s)) for s in squares) is has_nan
+    parts = floating_parts([jnp.asarray(x, dtype) for x in leaves], join_small=join_small)
+    assert all(bool(jnp.isfinite(jnp.sum(part - part))) for part in parts)
