@@ -2,8 +2,10 @@
 
 `python -m benchmarks.formulations` times, for adam on 8M float32 params in 64 leaves,
 the bare step and several formulations of "unscale, check, update or skip", each jitted
-with params and state donated, interleaved, medians. `loss_scaled` uses the fastest
-formulation that keeps the skip exact; the others are kept here as the evidence.
+with params and state donated and timed block by block as `python -m benchmarks` does.
+`loss_scaled` uses the fastest formulation that keeps the skip exact; the others are
+kept here as the evidence, and two invalid ones (a skip without a check, a check
+without a skip) price the parts a valid step cannot do without.
 """
 
 import argparse
@@ -15,13 +17,19 @@ import jax.numpy as jnp
 import optax
 
 import jax_lossscale as jls
-from benchmarks.run import _fresh_buffers, _params_and_grads
+from benchmarks.run import _block_medians, _fresh_buffers, _params_and_grads
 
 SCALE = 2.0**15
 
 
-def _finite(tree):
-    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()
+def _finite_by_sums(tree):
+    """The check `loss_scaled` makes: a sum of `x - x` per leaf, fused into one pass."""
+    return jnp.stack([jnp.isfinite(jnp.sum(x - x)) for x in jax.tree.leaves(tree)]).all()
+
+
+def _finite_by_booleans(tree):
+    """`isfinite(x).all()` per leaf: XLA on CPU writes the booleans out, then reduces them."""
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
 def _skip_updates(inner_update):
@@ -30,25 +38,23 @@ def _skip_updates(inner_update):
 
 
 def formulations(inner):
-    """name -> step(params, (inner_state, scale), scaled_grads)."""
+    """name -> (step(params, state, scaled_grads), init(params), whether grads are scaled)."""
 
     def select_everything(params, state, grads):
-        # What jmp and flax users write: run the update, select new or old everywhere.
+        # Branch-free, what jmp and flax users write: run the update, select new or old.
         inner_state, scale = state
         grads = jax.tree.map(lambda g: g / scale, grads)
-        finite = _finite(grads)
+        finite = _finite_by_sums(grads)
         updates, new_state = inner.update(grads, inner_state, params)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        return keep(optax.apply_updates(params, updates), params), (
-            keep(new_state, inner_state),
-            scale,
-        )
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates)
+        new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, inner_state)
+        return optax.apply_updates(params, updates), (new_state, scale)
 
     def cond_on_state_select_updates(params, state, grads):
         # The state under a cond, the updates selected outside it.
         inner_state, scale = state
-        unscaled = jax.tree.map(lambda g: g * (1 / scale), grads)
-        finite = _finite(unscaled)
+        unscaled = jax.tree.map(lambda g: g / scale, grads)
+        finite = _finite_by_sums(unscaled)
         updates, _ = inner.update(unscaled, inner_state, params)
         updates = jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates)
         new_state = jax.lax.cond(
@@ -56,10 +62,10 @@ def formulations(inner):
         )
         return optax.apply_updates(params, updates), (new_state, scale)
 
-    def cond_dividing(params, state, grads):
-        # A cond around the inner update, unscaling by division.
+    def cond_with_booleans(params, state, grads):
+        # The shipped cond, with the check written as isfinite(x).all() per leaf.
         inner_state, scale = state
-        finite = _finite(jax.tree.map(lambda g: g / scale, grads))
+        finite = _finite_by_booleans(jax.tree.map(lambda g: g / scale, grads))
 
         def apply():
             return inner.update(jax.tree.map(lambda g: g / scale, grads), inner_state, params)
@@ -74,25 +80,32 @@ def formulations(inner):
         inner_state, scale = state
 
         def apply():
-            return inner.update(jax.tree.map(lambda g: g * (1 / scale), grads), inner_state, params)
+            return inner.update(jax.tree.map(lambda g: g / scale, grads), inner_state, params)
 
         updates, new_state = jax.lax.cond(
             scale > 0, apply, lambda: (_skip_updates(apply), inner_state)
         )
         return optax.apply_updates(params, updates), (new_state, scale)
 
+    def unscale_alone(params, state, grads):
+        # Not a valid step: unscaled and applied, neither checked nor skipped.
+        inner_state, scale = state
+        updates, new_state = inner.update(
+            jax.tree.map(lambda g: g / scale, grads), inner_state, params
+        )
+        return optax.apply_updates(params, updates), (new_state, scale)
+
     def check_without_skip(params, state, grads):
         # Not a valid step: the finite check only adjusts the scale, nothing is skipped.
         inner_state, scale = state
-        unscaled = jax.tree.map(lambda g: g * (1 / scale), grads)
+        unscaled = jax.tree.map(lambda g: g / scale, grads)
         updates, new_state = inner.update(unscaled, inner_state, params)
-        scale = jnp.where(_finite(unscaled), scale, scale / 2)
+        scale = jnp.where(_finite_by_sums(unscaled), scale, scale / 2)
         return optax.apply_updates(params, updates), (new_state, scale)
 
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=SCALE))
 
     def shipped(params, opt_state, grads):
-        # loss_scaled: a cond, unscaling by multiplying with the reciprocal.
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -103,46 +116,92 @@ def formulations(inner):
     with_scale = lambda params: (inner.init(params), jnp.float32(SCALE))  # noqa: E731
     return {
         "bare": (bare, inner.init, False),
-        "loss_scaled (cond, reciprocal)": (shipped, tx.init, True),
-        "cond, dividing": (cond_dividing, with_scale, True),
+        "loss_scaled (cond, check by sums)": (shipped, tx.init, True),
+        "cond, check by booleans": (cond_with_booleans, with_scale, True),
         "cond on state, select updates": (cond_on_state_select_updates, with_scale, True),
-        "select everything": (select_everything, with_scale, True),
+        "select everything (no cond)": (select_everything, with_scale, True),
+        "unscale alone (invalid)": (unscale_alone, with_scale, True),
         "cond alone (no check; invalid)": (cond_without_check, with_scale, True),
         "check alone (no skip; invalid)": (check_without_skip, with_scale, True),
     }
 
 
+class _Runner:
+    def __init__(self, step, init, params, inputs):
+        self.params = _fresh_buffers(params)
+        self.state = init(self.params)
+        self.inputs = inputs
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.state, inputs)
+        self.step = compiled.compile()
+        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        self.params, self.state = self.step(self.params, self.state, self.inputs)
+        jax.block_until_ready((self.params, self.state))
+        return time.perf_counter() - start
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.formulations")
+    parser.add_argument("--platform", default=None, help="cpu, gpu or tpu; default: JAX's")
     parser.add_argument("--params", type=int, default=8_000_000)
     parser.add_argument("--leaves", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument(
+        "--optimizer", default="adam", choices=["adam", "sgd"], help="the inner optimizer"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="time trace + lower + compile (median of --repeats) instead of the step",
+    )
     args = parser.parse_args(argv)
+    if args.platform:
+        jax.config.update("jax_platforms", args.platform)
+    inner = {"adam": optax.adam, "sgd": optax.sgd}[args.optimizer](1e-3)
+    if args.compile:
+        return _compile_times(inner, args)
     params, grads = _params_and_grads(args.params, args.leaves)
     scaled = jax.tree.map(lambda g: g * SCALE, grads)
-    runners = {}
-    for name, (step, init, scales) in formulations(optax.adam(1e-3)).items():
-        p = _fresh_buffers(params)
-        s = _fresh_buffers(init(p))
-        inputs = scaled if scales else grads
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, inputs).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        runners[name] = [compiled, p, s, inputs, temp, []]
-    for _ in range(2 + args.repeats):
-        for runner in runners.values():
-            compiled, p, s, inputs = runner[:4]
-            start = time.perf_counter()
-            runner[1], runner[2] = compiled(p, s, inputs)
-            jax.block_until_ready(runner[1:3])
-            runner[5].append(time.perf_counter() - start)
-    bare = statistics.median(runners["bare"][5][2:])
-    print(f"adam, {args.params / 1e6:g}M params in {args.leaves} leaves")
-    print("formulation | median | ratio to bare | XLA temp memory")
+    runners = {
+        name: _Runner(step, init, params, scaled if scales else grads)
+        for name, (step, init, scales) in formulations(inner).items()
+    }
+    medians, faults = _block_medians(runners, args.repeats, args.block)
+    bare = medians["bare"]
+    print(f"{_title(args)}, {jax.devices()[0]}")
+    print("formulation | median | ratio to bare | XLA temp memory | page faults per step")
     for name, runner in runners.items():
-        median = statistics.median(runner[5][2:])
         print(
-            f"{name} | {median * 1e3:.2f} ms | {median / bare:.2f}x | {runner[4] / 2**20:.1f} MiB"
+            f"{name} | {medians[name] * 1e3:.2f} ms | {medians[name] / bare:.2f}x | "
+            f"{runner.temp_bytes / 2**20:.1f} MiB | {faults[name]:.0f}"
         )
+    return medians
+
+
+def _compile_times(inner, args) -> dict[str, float]:
+    params, grads = _params_and_grads(args.params, args.leaves)
+    steps = formulations(inner)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):  # the formulations take turns
+        for name, (step, init, _) in steps.items():
+            jax.clear_caches()
+            state = jax.eval_shape(init, params)
+            start = time.perf_counter()
+            jax.jit(step, donate_argnums=(0, 1)).trace(params, state, grads).lower().compile()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(f"{_title(args)}: trace + lower + compile, {jax.devices()[0]}")
+    print("formulation | median | ratio to bare")
+    for name, median in medians.items():
+        print(f"{name} | {median:.2f} s | {median / medians['bare']:.2f}x")
+    return medians
+
+
+def _title(args) -> str:
+    return f"{args.optimizer}, {args.params / 1e6:g}M params in {args.leaves} leaves"
 
 
 if __name__ == "__main__":

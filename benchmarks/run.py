@@ -1,16 +1,21 @@
 """The benchmark runner: `python -m benchmarks --help`.
 
-Every case runs all contenders in the same process, interleaved (A B C A B C ...), with
-params and optimizer state donated as in real training, and reports medians and their
-ratios to the bare optimizer measured in the same run.
+Every case runs all contenders in the same process, with params and optimizer state
+donated as in real training, and reports medians and their ratios to the bare optimizer
+measured in the same run. Steps are timed as a training process runs them: each
+contender's compiled step is called `--block` times in a row (the first call after a
+switch is not counted), and the contenders take turns block by block, so that no figure
+depends on which program ran just before. The page faults per step are recorded beside.
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,34 +27,48 @@ import numpy as np
 import optax
 
 from benchmarks import contenders as contenders_module
+from benchmarks import gpt
 
 OPTIMIZERS = {"adam": lambda: optax.adam(1e-3), "sgd": lambda: optax.sgd(1e-3)}
-CASES = ("step", "mlp", "compile", "memory", "traces")
+CASES = ("gpt", "step", "mlp", "compile", "memory", "traces")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = _parse(argv)
+    if args.platform:
+        jax.config.update("jax_platforms", args.platform)
     results: dict[str, Any] = {"machine": _machine(), "command": _command(argv), "cases": {}}
     for case in args.cases:
-        rows = CASE_RUNNERS[case](args)
-        results["cases"][case] = rows
-        print(_table(case, rows), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
-        print(f"wrote {args.json}")
+        output = CASE_RUNNERS[case](args)
+        for name, rows in (output if isinstance(output, dict) else {case: output}).items():
+            results["cases"][name] = rows
+            print(_table(name, rows), flush=True)
+    path = args.json or os.path.join("benchmarks", "results", f"{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        json.dump(results, file, indent=1)
+    print(f"wrote {path}")
     return results
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument(
+        "--platform",
+        default=None,
+        help="the JAX platform to run on (cpu, gpu, tpu); default: JAX's own choice",
+    )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {CASES}")
     parser.add_argument("--optimizers", default="adam,sgd", help="comma-separated, of adam, sgd")
     parser.add_argument("--sizes", default="1M,8M,64M", help="parameter counts for the step case")
     parser.add_argument("--leaves", default="16,64,1024", help="leaf counts for the step case")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per contender")
-    parser.add_argument("--compile-leaves", type=int, default=1024)
+    parser.add_argument(
+        "--block", type=int, default=10, help="calls of one contender in a row (one uncounted)"
+    )
+    parser.add_argument(
+        "--compile-leaves", default="16,64,256,1024", help="leaf counts for the compile case"
+    )
     parser.add_argument("--compile-repeats", type=int, default=5)
     parser.add_argument("--mlp-width", type=int, default=1024)
     parser.add_argument("--mlp-depth", type=int, default=4)
@@ -61,12 +80,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip a contender at a leaf count where its compile would take longer than this "
         "many seconds, extrapolated as leaves**1.5 from a smaller leaf count",
     )
-    parser.add_argument("--json", default="benchmarks/results.json", help="where to write JSON")
+    parser.add_argument(
+        "--gpt-sizes",
+        default=",".join(gpt.SIZES),
+        help=f"comma-separated, of {', '.join(gpt.SIZES)}",
+    )
+    parser.add_argument(
+        "--gpt-batch", type=int, default=None, help="sequences per GPT step (default 16)"
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="where to write JSON (default: benchmarks/results/<platform>.json)",
+    )
     args = parser.parse_args(argv)
     args.cases = _split(args.cases, CASES)
     args.optimizers = _split(args.optimizers, tuple(OPTIMIZERS))
     args.sizes = [_count(size) for size in args.sizes.split(",")]
     args.leaves = [int(leaves) for leaves in args.leaves.split(",")]
+    args.compile_leaves = [int(leaves) for leaves in args.compile_leaves.split(",")]
+    args.gpt_sizes = [size.strip() for size in args.gpt_sizes.split(",") if size.strip()]
+    for size in args.gpt_sizes:
+        if size not in gpt.SIZES:
+            raise SystemExit(f"unknown GPT size {size!r}; expected some of {', '.join(gpt.SIZES)}")
     return args
 
 
@@ -106,8 +142,9 @@ def run_step(args) -> list[dict]:
                     runner = _Runner(contender.optimizer_step, contender.init, params, inputs)
                     budget.record(contender.name, leaves, runner.compile_seconds)
                     runners[contender.name] = runner
-                medians = _interleaved_medians(runners, args.repeats)
-                rows.append(_row(optimizer, size, leaves, medians, skipped=skipped))
+                medians, faults = _block_medians(runners, args.repeats, args.block)
+                row = _row(optimizer, size, leaves, medians, skipped=skipped)
+                rows.append({**row, "page_faults_per_step": faults})
                 del runners
     return rows
 
@@ -121,19 +158,19 @@ def run_mlp(args) -> list[dict]:
         for contender in _contenders(optimizer):
             step = functools.partial(_mlp_train_step, contender.train_step)
             runners[contender.name] = _Runner(step, contender.init, params, batch)
-        medians = _interleaved_medians(runners, args.repeats)
+        medians, faults = _block_medians(runners, args.repeats, args.block)
         size = sum(leaf.size for leaf in jax.tree.leaves(params))
-        rows.append(_row(optimizer, size, len(jax.tree.leaves(params)), medians))
+        row = _row(optimizer, size, len(jax.tree.leaves(params)), medians)
+        rows.append({**row, "page_faults_per_step": faults})
     return rows
 
 
 def run_compile(args) -> list[dict]:
-    """Seconds to trace, lower and compile the donated step, at 1/16, 1/4 and all the leaves."""
+    """Seconds to trace, lower and compile the donated step, at each of `--compile-leaves`."""
     rows = []
     budget = _CompileBudget(args.compile_budget)
     for optimizer in args.optimizers:
-        counts = {max(args.compile_leaves // 16, 1), max(args.compile_leaves // 4, 1)}
-        for leaves in sorted(counts | {args.compile_leaves}):
+        for leaves in sorted(args.compile_leaves):
             params, grads = _params_and_grads(leaves * 64, leaves)
             times: dict[str, list[float]] = {}
             skipped = {}
@@ -202,7 +239,44 @@ def run_traces(args) -> list[dict]:
     return rows
 
 
-CASE_RUNNERS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
+def run_gpt(args) -> dict[str, list[dict]]:
+    """A GPT-style decoder's float16 train step (`benchmarks/gpt.py`), bare adamw against
+    `loss_scaled`: step time, trace + lower + compile time and XLA temp memory."""
+    tokens, vocab = gpt.stdlib_text()
+    cases: dict[str, list[dict]] = {"gpt_step": [], "gpt_compile": [], "gpt_memory": []}
+    for name in args.gpt_sizes:
+        size = gpt.SIZES[name]
+        if args.gpt_batch:
+            size = dataclasses.replace(size, batch=args.gpt_batch)
+        inputs, targets = next(gpt.batches(tokens, size))
+        built = {}
+        for contender, make_tx in gpt.contenders().items():
+            graphdef, state = gpt.train_state(size, vocab, make_tx())
+            built[contender] = (gpt.train_step_of(graphdef, contender != "bare"), state)
+        compile_times: dict[str, list[float]] = {contender: [] for contender in built}
+        for _ in range(args.compile_repeats):  # the contenders take turns
+            for contender, (step, state) in built.items():
+                jax.clear_caches()
+                start = time.perf_counter()
+                jax.jit(step, donate_argnums=0).trace(state, inputs, targets).lower().compile()
+                compile_times[contender].append(time.perf_counter() - start)
+        runners, temp = {}, {}
+        for contender, (step, state) in built.items():
+            runners[contender] = _GptRunner(step, state, inputs, targets)
+            temp[contender] = runners[contender].temp_bytes
+        medians, faults = _block_medians(runners, args.repeats, args.block)
+        params, leaves = gpt.parameter_count(built["bare"][1])
+        row = functools.partial(_row, f"adamw, {name}", params, leaves)
+        cases["gpt_step"].append({**row(medians), "page_faults_per_step": faults})
+        cases["gpt_compile"].append(
+            row({contender: statistics.median(t) for contender, t in compile_times.items()})
+        )
+        cases["gpt_memory"].append(row(temp, unit="bytes"))
+    return cases
+
+
+CASE_RUNNERS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "gpt": run_gpt,
     "step": run_step,
     "mlp": run_mlp,
     "compile": run_compile,
@@ -230,6 +304,21 @@ class _Runner:
         start = time.perf_counter()
         self.params, self.state = self.step(self.params, self.state, self.inputs)
         jax.block_until_ready((self.params, self.state))
+        return time.perf_counter() - start
+
+
+class _GptRunner:
+    """One contender's compiled GPT train step, its state donated from call to call."""
+
+    def __init__(self, step, state, inputs, targets):
+        self.state, self.batch = state, (inputs, targets)
+        self.step = jax.jit(step, donate_argnums=0).lower(state, inputs, targets).compile()
+        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        self.state, loss = self.step(self.state, *self.batch)
+        jax.block_until_ready((self.state, loss))
         return time.perf_counter() - start
 
 
@@ -265,15 +354,31 @@ def _fresh_buffers(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def _interleaved_medians(runners: dict[str, _Runner], repeats: int) -> dict[str, float]:
+def _block_medians(
+    runners: dict[str, Any], repeats: int, block: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per call, and page faults per call, timed block by block.
+
+    Each round calls every runner `block` times in a row; the first call of a block,
+    the one after switching programs, is not counted. Rounds go on until every runner
+    has `repeats` counted calls.
+    """
     for runner in runners.values():  # compile and warm up
         runner()
         runner()
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
+    faults: dict[str, list[int]] = {name: [] for name in runners}
+    counted = max(block - 1, 1)
+    for _ in range(math.ceil(repeats / counted)):
         for name, runner in runners.items():
-            times[name].append(runner())
-    return {name: statistics.median(values) for name, values in times.items()}
+            runner()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(counted):
+                times[name].append(runner())
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    per_call = {name: sum(values) / len(times[name]) for name, values in faults.items()}
+    return medians, per_call
 
 
 def _contenders(optimizer: str) -> list[contenders_module.Contender]:
