@@ -112,14 +112,21 @@ def batches(tokens: np.ndarray, size: Size, seed: int = 0):
 
 
 def contenders() -> dict[str, Callable[[], optax.GradientTransformation]]:
-    """The optimizers compared: bare adamw and adamw through `loss_scaled`."""
+    """The optimizers compared: bare adamw and adamw through `loss_scaled`, with spike
+    skipping on (a bound and a window) and off."""
 
     def adamw():
         return optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10_000), weight_decay=0.01)
 
+    def skipping_spikes():
+        return jls.loss_scaled(
+            adamw(), jls.DynamicLossScale(), skip_grad_norm_above=100.0, skip_spike_sigmas=6.0
+        )
+
     return {
         "bare": adamw,
         "DynamicLossScale": lambda: jls.loss_scaled(adamw(), jls.DynamicLossScale()),
+        "DynamicLossScale, spike skipping": skipping_spikes,
         "FixedLossScale": lambda: jls.loss_scaled(adamw(), jls.FixedLossScale(2.0**10)),
     }
 
@@ -132,7 +139,11 @@ def train_state(size: Size, vocab: int, tx: optax.GradientTransformation) -> tup
 
 
 def train_step_of(graphdef: Any, scaled: bool) -> Callable:
-    """The train step `(state, inputs, targets) -> (state, loss)`, in nnx's functional form."""
+    """The train step `(state, inputs, targets) -> (state, loss)`, in nnx's functional form.
+
+    A loss-scaled step passes its loss to the optimizer as `value=`, which spike skipping
+    tests against its window.
+    """
 
     def train_step(state, inputs, targets):
         model, optimizer = nnx.merge(graphdef, state)
@@ -143,7 +154,7 @@ def train_step_of(graphdef: Any, scaled: bool) -> Callable:
             return loss * scale, loss
 
         grads, loss = nnx.grad(loss_fn, has_aux=True)(model)
-        optimizer.update(model, grads)
+        optimizer.update(model, grads, **({"value": loss} if scaled else {}))
         return nnx.state((model, optimizer)), loss
 
     return train_step

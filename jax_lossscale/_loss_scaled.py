@@ -1,6 +1,7 @@
 """`loss_scaled`: the optax wrapper that unscales, checks, skips and adjusts the scale."""
 
 import contextlib
+import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale import _validation
 from jax_lossscale._base import LossScale, check_named_arrays, is_scalar_array
 from jax_lossscale._tree import (
     AxisName,
@@ -16,7 +18,7 @@ from jax_lossscale._tree import (
     any_nan,
     check_array_leaves,
     check_axis_name,
-    finite_flag,
+    global_norm_and_finite,
     short_repr,
 )
 
@@ -30,9 +32,11 @@ class StepStats(NamedTuple):
     as a `LossScaleStats`.
     """
 
+    grad_norm: jax.Array  # float32: the last step's unscaled gradients' global L2 norm
     skipped_steps: jax.Array  # int32: steps skipped so far
     nan_skipped_steps: jax.Array  # int32: of those, steps whose gradients held a NaN
     inf_skipped_steps: jax.Array  # int32: ... held +-inf but no NaN
+    spike_skipped_steps: jax.Array  # int32: ... were finite but a spike
     consecutive_skipped_steps: jax.Array  # int32: skips since the last applied step
     last_step_applied: jax.Array  # bool: true before the first step
 
@@ -40,11 +44,14 @@ class StepStats(NamedTuple):
 class LossScaleStats(NamedTuple):
     """What `loss_scaled` records for logging; read it with `get_loss_scale_stats`.
 
+    `grad_norm` is the global L2 norm of the last step's unscaled gradients (0 before
+    the first step; NaN when they were not finite), from the pass that checks them.
     The counters saturate at 2**31 - 1. A skipped step counts as a NaN skip when its
     gradients held a NaN, as an inf skip when they held +-inf (before or after
-    unscaling) and no NaN,
-    and as neither when a custom `LossScale` skipped finite gradients. A run whose
-    `consecutive_skipped_steps` keeps growing is stuck, typically at the minimum scale.
+    unscaling) and no NaN, as a spike skip when they were finite but `grad_norm` or
+    the loss was a spike (see `loss_scaled`), and as none of these when a custom
+    `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
+    growing is stuck, typically at the minimum scale.
 
     Example:
       >>> import jax.numpy as jnp
@@ -54,26 +61,46 @@ class LossScaleStats(NamedTuple):
       >>> opt_state = tx.init({"w": jnp.zeros(2)})
       >>> jls.get_loss_scale_stats(opt_state)
       LossScaleStats(loss_scale=Array(8., dtype=float32),
+                     grad_norm=Array(0., dtype=float32),
                      skipped_steps=Array(0, dtype=int32),
                      nan_skipped_steps=Array(0, dtype=int32),
                      inf_skipped_steps=Array(0, dtype=int32),
+                     spike_skipped_steps=Array(0, dtype=int32),
                      consecutive_skipped_steps=Array(0, dtype=int32),
                      last_step_applied=Array(True, dtype=bool))
     """
 
     loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
+    grad_norm: jax.Array
     skipped_steps: jax.Array
     nan_skipped_steps: jax.Array
     inf_skipped_steps: jax.Array
+    spike_skipped_steps: jax.Array
     consecutive_skipped_steps: jax.Array
     last_step_applied: jax.Array
+
+
+class SpikeWindow(NamedTuple):
+    """The last values of a signal (the gradient norm or the loss) on applied steps."""
+
+    values: jax.Array  # float32[spike_window]: a ring, the oldest value overwritten first
+    filled: jax.Array  # int32: how many of `values` hold a value, up to spike_window
+    next_index: jax.Array  # int32: where the next value goes
+
+
+class SpikeWindows(NamedTuple):
+    """The windows `loss_scaled(..., skip_spike_sigmas=...)` tests spikes against."""
+
+    grad_norm: SpikeWindow
+    loss: SpikeWindow  # filled only by steps given `value=`
 
 
 class LossScaledState(NamedTuple):
     """State of a `loss_scaled` transformation.
 
     The scale lives in `loss_scale_state` alone, as its `loss_scale`; `stats`
-    holds what the wrapper counts.
+    holds what the wrapper counts; `spike_windows` the windows of spike skipping,
+    None unless `skip_spike_sigmas` is set.
 
     Example:
       >>> import jax.numpy as jnp
@@ -83,22 +110,30 @@ class LossScaledState(NamedTuple):
       >>> tx.init({"w": jnp.zeros(2)})
       LossScaledState(inner_state=(EmptyState(), EmptyState()),
                       loss_scale_state=FixedLossScaleState(loss_scale=Array(4., dtype=float32)),
-                      stats=StepStats(skipped_steps=Array(0, dtype=int32),
+                      stats=StepStats(grad_norm=Array(0., dtype=float32),
+                                      skipped_steps=Array(0, dtype=int32),
                                       nan_skipped_steps=Array(0, dtype=int32),
                                       inf_skipped_steps=Array(0, dtype=int32),
+                                      spike_skipped_steps=Array(0, dtype=int32),
                                       consecutive_skipped_steps=Array(0, dtype=int32),
-                                      last_step_applied=Array(True, dtype=bool)))
+                                      last_step_applied=Array(True, dtype=bool)),
+                      spike_windows=None)
     """
 
     inner_state: optax.OptState
     loss_scale_state: PyTree
     stats: StepStats
+    spike_windows: SpikeWindows | None = None
 
 
 def loss_scaled(
     inner: optax.GradientTransformation | optax.MultiSteps,
     loss_scale: LossScale,
     axis_name: AxisName | None = None,
+    *,
+    skip_grad_norm_above: float | None = None,
+    skip_spike_sigmas: float | None = None,
+    spike_window: int = 128,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that it takes the gradients of a scaled loss.
 
@@ -106,11 +141,21 @@ def loss_scaled(
     scale (`get_loss_scale(opt_state)`) and does, in this order:
 
     1. unscale: divide the gradients by that scale;
-    2. check: are all the unscaled gradients finite? (combined over `axis_name`);
+    2. check: are all the unscaled gradients finite? (combined over `axis_name`),
+       and their global L2 norm, `grad_norm`, from the same pass;
     3. adjust: advance the loss scale's state (`loss_scale.update`);
-    4. if finite, return `inner.update(unscaled_grads, inner_state, params, ...)`;
-       if not, skip: return updates of negative zeros and the inner state as it
-       was, so schedules inside `inner` do not advance.
+    4. if finite and not a spike, return `inner.update(unscaled_grads, inner_state,
+       params, ...)`; if not, skip: return updates of negative zeros and the inner
+       state as it was, so schedules inside `inner` do not advance.
+
+    A finite step is a spike when `grad_norm > skip_grad_norm_above`, or, with
+    `skip_spike_sigmas`, when the last `spike_window` applied steps are on record
+    and `grad_norm` is above their mean plus `skip_spike_sigmas` standard deviations
+    (the population standard deviation); a NaN or infinite `grad_norm` of finite
+    gradients (squares beyond float32) is then a spike too. A loss passed as
+    `update(..., value=loss)`, the optax convention, is tested against its own window
+    the same way. The loss scale sees a spike as the finite step it is; skipped steps
+    do not enter the windows.
 
     On a skipped step `optax.apply_updates(params, updates)` returns `params`
     bit for bit (signed zeros, infinities and quiet NaNs included), except where
@@ -134,7 +179,18 @@ def loss_scaled(
         hyperparameters (a checkpoint resumed with changed settings) obeys these
         from the next update on.
       axis_name: inside `pmap` or `shard_map` with per-device gradients, the axis
-        over which devices agree on skipping. Not needed under SPMD `jit`.
+        over which devices agree on skipping. Not needed under SPMD `jit`. Under
+        `shard_map`, a gradient leaf that varies over it is a shard of the gradient
+        whose norm is taken; under `pmap`, each device's gradients are the whole of
+        it (as after a `pmean`) and the devices agree on the largest norm. A `value=`
+        is averaged over it.
+      skip_grad_norm_above: skip finite steps whose `grad_norm` is above this, or
+        None; a positive finite number.
+      skip_spike_sigmas: skip finite steps whose `grad_norm` (or loss) is this many
+        standard deviations above the mean of the last `spike_window` applied
+        steps', or None; a positive finite number.
+      spike_window: how many applied steps' values the spike test looks back on,
+        an integer >= 2.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -174,6 +230,10 @@ def loss_scaled(
         )
     check_axis_name(axis_name, caller="loss_scaled", require_bound=False)
     _check_scale_field(loss_scale)
+    skip_grad_norm_above = _optional_positive("skip_grad_norm_above", skip_grad_norm_above)
+    skip_spike_sigmas = _optional_positive("skip_spike_sigmas", skip_spike_sigmas)
+    spike_window = _window_length(spike_window)
+    windows = skip_spike_sigmas is not None
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScaledState:
@@ -189,12 +249,15 @@ def loss_scaled(
             inner_state=inner_state,
             loss_scale_state=loss_scale_state,
             stats=StepStats(
+                grad_norm=jnp.zeros([], jnp.float32),
                 skipped_steps=jnp.zeros([], jnp.int32),
                 nan_skipped_steps=jnp.zeros([], jnp.int32),
                 inf_skipped_steps=jnp.zeros([], jnp.int32),
+                spike_skipped_steps=jnp.zeros([], jnp.int32),
                 consecutive_skipped_steps=jnp.zeros([], jnp.int32),
                 last_step_applied=jnp.ones([], jnp.bool_),
             ),
+            spike_windows=_empty_windows(spike_window) if windows else None,
         )
 
     def update_fn(
@@ -203,29 +266,46 @@ def loss_scaled(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
-        _check_wrapper_state(state)
+        _check_wrapper_state(state, spike_window if windows else None)
         check_array_leaves(updates, arg_name="updates", caller="loss_scaled.update")
         check_axis_name(axis_name, caller="loss_scaled.update")
+        loss = _loss_value(extra_args.get("value")) if windows else None
         scaled_grads = updates
 
-        def unscale():
-            return loss_scale.unscale(state.loss_scale_state, scaled_grads)
+        def unscale(loss_scale_state):
+            return loss_scale.unscale(loss_scale_state, scaled_grads)
 
-        grads = unscale()
-        loss_scale_state, finite = loss_scale.update(state.loss_scale_state, grads, axis_name)
-        _check_should_apply(loss_scale, finite)
-        # For the stats. DynamicLossScale makes the same check, so XLA computes it once;
-        # under jit, FixedLossScale's constant should_apply lets XLA drop it.
-        grads_finite = finite_flag(grads, axis_name)
+        grads = unscale(state.loss_scale_state)
+        loss_scale_state, loss_scale_applies = loss_scale.update(
+            state.loss_scale_state, grads, axis_name
+        )
+        _check_should_apply(loss_scale, loss_scale_applies)
+        # The same reductions as DynamicLossScale's check, so XLA computes them once.
+        grad_norm, grads_finite = global_norm_and_finite(grads, axis_name)
+        if loss is not None and axis_name is not None:
+            loss = jax.lax.pmean(loss, axis_name)
+
+        spike = jnp.array(False)
+        if skip_grad_norm_above is not None:
+            spike |= grad_norm > np.float32(skip_grad_norm_above)
+        if windows:
+            spike |= _is_spike(grad_norm, state.spike_windows.grad_norm, skip_spike_sigmas)
+            if loss is not None:
+                spike |= _is_spike(loss, state.spike_windows.loss, skip_spike_sigmas)
+        spike &= loss_scale_applies & grads_finite
+        finite = loss_scale_applies & ~spike
 
         def skip_for_nan():  # for the stats; unscaling makes no NaN and removes none
             return any_nan(scaled_grads)
 
-        # The branch unscales on its own, so that XLA can fuse the division into the inner
-        # update instead of keeping the unscaled gradients in memory.
+        # The branch unscales on its own, so that XLA can fuse the multiplication into the
+        # inner update instead of keeping the unscaled gradients in memory. The barrier keeps
+        # XLA from merging it with the check's, which it does where the `cond` is gone (a
+        # FixedLossScale's), so that both read the scaled gradients and neither is kept.
         def inner_update():
             with _explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                return inner.update(unscale(), state.inner_state, params, **extra_args)
+                grads = unscale(jax.lax.optimization_barrier(state.loss_scale_state))
+                return inner.update(grads, state.inner_state, params, **extra_args)
 
         # The types both branches return, taken from the trace of the applied branch, which
         # `cond` traces first: the inner update is traced once, not again for the skip.
@@ -259,17 +339,27 @@ def loss_scaled(
         old = state.stats
         skipped = jnp.logical_not(finite)
         stats = StepStats(
+            grad_norm=grad_norm,
             skipped_steps=_saturating_increment(old.skipped_steps, skipped),
             nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & had_nan),
             inf_skipped_steps=_saturating_increment(
                 old.inf_skipped_steps, skipped & ~had_nan & ~grads_finite
             ),
+            spike_skipped_steps=_saturating_increment(old.spike_skipped_steps, spike),
             consecutive_skipped_steps=jnp.where(
                 finite, 0, _saturating_increment(old.consecutive_skipped_steps, skipped)
             ),
             last_step_applied=finite,
         )
-        return new_updates, LossScaledState(inner_state, loss_scale_state, stats)
+        spike_windows = None
+        if windows:
+            spike_windows = SpikeWindows(
+                grad_norm=_recorded(state.spike_windows.grad_norm, grad_norm, finite),
+                loss=state.spike_windows.loss
+                if loss is None
+                else _recorded(state.spike_windows.loss, loss, finite),
+            )
+        return new_updates, LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -333,7 +423,7 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
 def _is_wrapper_state(node: Any) -> bool:
     # flax nnx's `nnx.state` turns the NamedTuple into a mapping of its fields.
     if isinstance(node, Mapping):
-        return set(node) == set(LossScaledState._fields)
+        return set(LossScaledState._fields[:3]) <= set(node) <= set(LossScaledState._fields)
     return isinstance(node, LossScaledState)
 
 
@@ -413,15 +503,17 @@ def _unwrapped(tree: PyTree) -> PyTree:
 
 _COUNT = jax.ShapeDtypeStruct((), jnp.int32)
 _STATS_TEMPLATE = StepStats(
+    grad_norm=jax.ShapeDtypeStruct((), jnp.float32),
     skipped_steps=_COUNT,
     nan_skipped_steps=_COUNT,
     inf_skipped_steps=_COUNT,
+    spike_skipped_steps=_COUNT,
     consecutive_skipped_steps=_COUNT,
     last_step_applied=jax.ShapeDtypeStruct((), jnp.bool_),
 )
 
 
-def _check_wrapper_state(state: Any) -> None:
+def _check_wrapper_state(state: Any, spike_window: int | None) -> None:
     where = "loss_scaled.update"
     if not isinstance(state, LossScaledState):
         raise TypeError(
@@ -430,6 +522,102 @@ def _check_wrapper_state(state: Any) -> None:
         )
     check_named_arrays(
         state.stats, _STATS_TEMPLATE, where=where, label="state.stats", source="init()"
+    )
+    if spike_window is None:
+        if state.spike_windows is not None:
+            raise TypeError(
+                f"{where}: state.spike_windows holds spike windows, but this loss_scaled has "
+                "skip_spike_sigmas=None; pass the state returned by this transformation's init()"
+            )
+        return
+    if not isinstance(state.spike_windows, SpikeWindows):
+        raise TypeError(
+            f"{where}: state.spike_windows must be the SpikeWindows that init() makes when "
+            f"skip_spike_sigmas is set, got {short_repr(state.spike_windows)}"
+        )
+    template = jax.eval_shape(lambda: _empty_windows(spike_window))
+    for name in SpikeWindows._fields:
+        window = getattr(state.spike_windows, name)
+        values = getattr(window, "values", None)
+        if getattr(values, "shape", (spike_window,)) != (spike_window,):
+            raise ValueError(
+                f"{where}: state.spike_windows.{name}.values has shape {values.shape}, but "
+                f"this loss_scaled has spike_window={spike_window}; pass the state returned by "
+                "this transformation's init()"
+            )
+        check_named_arrays(
+            window,
+            getattr(template, name),
+            where=where,
+            label=f"state.spike_windows.{name}",
+            source="init()",
+        )
+
+
+def _optional_positive(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    number = _validation.real("loss_scaled", name, value)
+    if number <= 0:
+        _validation.fail("loss_scaled", name, value, "None or a positive finite number")
+    return number
+
+
+def _window_length(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _validation.fail("loss_scaled", "spike_window", value, "an integer >= 2", TypeError)
+    if not 2 <= int(value) <= _INT32_MAX:
+        requirement = f"an integer >= 2 and <= {_INT32_MAX}"
+        _validation.fail("loss_scaled", "spike_window", value, requirement)
+    return int(value)
+
+
+def _empty_windows(spike_window: int) -> SpikeWindows:
+    def empty():
+        return SpikeWindow(
+            values=jnp.zeros([spike_window], jnp.float32),
+            filled=jnp.zeros([], jnp.int32),
+            next_index=jnp.zeros([], jnp.int32),
+        )
+
+    return SpikeWindows(grad_norm=empty(), loss=empty())
+
+
+def _loss_value(value: Any) -> jax.Array | None:
+    """The `value=` extra argument as a float32 scalar, None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        real = value.shape == () and (
+            jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
+        )
+    else:
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real:
+        raise TypeError(
+            "loss_scaled.update: value must be the step's loss, a real scalar (a Python "
+            f"number or an array of shape ()), got {short_repr(value)}"
+        )
+    return jnp.asarray(value).astype(jnp.float32)
+
+
+def _is_spike(value: jax.Array, window: SpikeWindow, sigmas: float) -> jax.Array:
+    """Whether `value` is not finite, or above the mean of a full `window` plus `sigmas`
+    standard deviations. A value that is not finite never enters a window, where it
+    would make every later value a spike."""
+    mean = jnp.mean(window.values)
+    std = jnp.sqrt(jnp.mean(jnp.square(window.values - mean)))
+    full = window.filled >= window.values.shape[0]
+    return ~jnp.isfinite(value) | (full & (value > mean + np.float32(sigmas) * std))
+
+
+def _recorded(window: SpikeWindow, value: jax.Array, applied: jax.Array) -> SpikeWindow:
+    """`window` with `value` written at its next index if the step was applied."""
+    size = window.values.shape[0]
+    return SpikeWindow(
+        values=jnp.where(applied, window.values.at[window.next_index].set(value), window.values),
+        filled=jnp.where(applied, jnp.minimum(window.filled + 1, size), window.filled),
+        next_index=jnp.where(applied, (window.next_index + 1) % size, window.next_index),
     )
 
 

@@ -111,17 +111,60 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
-    """`all_finite` without the leaf check, for callers that have made it already.
-
-    A part is finite when the sum of `part - part` is: each term is 0, or NaN for
-    +-inf and NaN, and a sum propagates NaN. XLA fuses the subtraction into the
-    reduction, which reads the part once and writes nothing.
-    """
-    flags = [jnp.isfinite(jnp.sum(jnp.subtract(part, part))) for part in floating_parts(tree)]
+    """`all_finite` without the leaf check, for callers that have made it already."""
+    flags = [~jnp.isnan(total) for total in square_sums(floating_parts(tree))]
     finite = jnp.stack(flags).all() if flags else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
     return finite
+
+
+def square_sums(parts: list[jax.Array]) -> list[jax.Array]:
+    """Per part, the sum of `x**2 + (x - x)` over its entries, in float32 or wider.
+
+    The one pass over the gradients that both the finite check and the gradient norm
+    read: `x - x` is 0 for a finite `x` and NaN for +-inf and NaN, so a sum is NaN
+    exactly when its part holds a non-finite entry (its other terms are >= 0, and
+    squares too large for the dtype only make it +inf). Otherwise it is the part's
+    squared L2 norm. XLA fuses the arithmetic into the reduction, which writes nothing.
+    """
+    totals = []
+    for part in parts:
+        wide = jnp.asarray(part, wide_dtype(part.dtype))
+        totals.append(jnp.sum(wide * (wide + jnp.subtract(wide, wide))))
+    return totals
+
+
+def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[jax.Array, jax.Array]:
+    """The float32 L2 norm of the floating leaves of `tree`, and whether they are finite.
+
+    From `square_sums`, the same reductions as `finite_flag`'s, which XLA computes
+    once for both. With `axis_name`, under `shard_map` a leaf that varies over the
+    axis is a shard of the global gradient, so its squares are summed over the axis,
+    and a leaf the same on every device is counted once. `pmap` (and `shard_map`
+    with `check_vma=False`) does not say which leaves vary: each device's leaves are
+    taken as the whole gradient, as after the `pmean` of data-parallel training. The
+    devices then agree on the largest norm, and on the finite flag as `finite_flag` does.
+    The norm is NaN when a leaf is not finite, and +inf when finite squares overflow.
+    """
+    parts = floating_parts(tree)
+    totals = square_sums(parts)
+    finite = finite_flag(tree, axis_name)
+    if not totals:
+        return jnp.zeros([], jnp.float32), finite
+    if axis_name is None:
+        return jnp.sqrt(sum(totals)).astype(jnp.float32), finite
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    by_axes: dict[tuple, list[jax.Array]] = {}
+    for part, total in zip(parts, totals, strict=True):
+        varying = getattr(jax.typeof(part), "manual_axis_type", None)
+        varying = getattr(varying, "varying", frozenset())
+        by_axes.setdefault(tuple(name for name in names if name in varying), []).append(total)
+    combined = [
+        jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
+    ]
+    norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
+    return jnp.where(finite, norm, np.float32(np.nan)), finite  # NaN on every device
 
 
 def any_nan(tree: PyTree) -> jax.Array:

@@ -5,7 +5,7 @@ import json
 from benchmarks import gpt, run
 
 CONTENDERS = ["bare", "jax_lossscale", "jmp", "flax", "optax.apply_if_finite"]
-GPT_CONTENDERS = ["bare", "DynamicLossScale", "FixedLossScale"]
+GPT_CONTENDERS = ["bare", "DynamicLossScale", "DynamicLossScale, spike skipping", "FixedLossScale"]
 
 
 def test_runner_writes_every_case_as_json(tmp_path, capsys):

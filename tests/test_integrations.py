@@ -148,9 +148,11 @@ def test_nnx_lookups_work_on_the_optimizer_its_opt_state_and_its_nnx_state():
     _, split_state = nnx.split((model, optimizer))
     expected = jls.LossScaleStats(
         loss_scale=jnp.float32(512.0),
+        grad_norm=jnp.float32(jnp.nan),
         skipped_steps=jnp.int32(1),
         nan_skipped_steps=jnp.int32(1),  # inf times the zero gradients of some entries
         inf_skipped_steps=jnp.int32(0),
+        spike_skipped_steps=jnp.int32(0),
         consecutive_skipped_steps=jnp.int32(1),
         last_step_applied=jnp.bool_(False),
     )

@@ -532,9 +532,11 @@ def test_get_loss_scale_reads_the_current_scale():
     assert float(jls.get_loss_scale(opt_state)) == 32.0
     expected = {
         "loss_scale": jnp.array(32.0, jnp.float32),
+        "grad_norm": jnp.array(jnp.nan, jnp.float32),
         "skipped_steps": jnp.array(1, jnp.int32),
         "nan_skipped_steps": jnp.array(1, jnp.int32),
         "inf_skipped_steps": jnp.array(0, jnp.int32),
+        "spike_skipped_steps": jnp.array(0, jnp.int32),
         "consecutive_skipped_steps": jnp.array(1, jnp.int32),
         "last_step_applied": jnp.array(False),
     }
@@ -667,7 +669,7 @@ def test_state_of_the_wrong_kind(jit_or_eager, request):
             # The whole state replicated over 8 devices for pmap, passed outside pmap.
             jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (8,)), good_state),
             ValueError,
-            "loss_scaled.update: state.stats.skipped_steps must have shape (), got shape (8,); "
+            "loss_scaled.update: state.stats.grad_norm must have shape (), got shape (8,); "
             "a state replicated for pmap has scalar leaves only inside the pmapped function",
         ),
     ]
@@ -975,9 +977,13 @@ def test_vmap_over_update_skips_per_member(jit_or_eager):
         jls.get_loss_scale_stats(opt_state),  # each member's, read across the vmapped axis
         jls.LossScaleStats(
             loss_scale=jnp.array([16.0, 4.0, 16.0]),
+            grad_norm=jnp.array(
+                [np.sqrt(5.0), np.nan, 0.5], jnp.float32
+            ),  # of [8, -16] / 8, ..., [4, 0] / 8
             skipped_steps=jnp.array([0, 1, 0], jnp.int32),
             nan_skipped_steps=jnp.array([0, 0, 0], jnp.int32),
             inf_skipped_steps=jnp.array([0, 1, 0], jnp.int32),
+            spike_skipped_steps=jnp.array([0, 0, 0], jnp.int32),
             consecutive_skipped_steps=jnp.array([0, 1, 0], jnp.int32),
             last_step_applied=jnp.array([True, False, True]),
         ),

@@ -179,9 +179,11 @@ def test_devices_agree_and_match_single_device(runner, mode):
 
         expected_stats = jls.LossScaleStats(
             loss_scale=np.float32(EXPECTED_SCALES[step]),
+            grad_norm=np.float32(_norm(ref_grads)),
             skipped_steps=np.int32(EXPECTED_SKIPPED[step]),
             nan_skipped_steps=np.int32(EXPECTED_NAN_SKIPPED[step]),
             inf_skipped_steps=np.int32(EXPECTED_INF_SKIPPED[step]),
+            spike_skipped_steps=np.int32(0),
             consecutive_skipped_steps=np.int32(overflow is not None),
             last_step_applied=np.bool_(overflow is None),
         )
@@ -192,11 +194,27 @@ def test_devices_agree_and_match_single_device(runner, mode):
             chex.assert_trees_all_equal(ref_params, old_ref_params)
             chex.assert_trees_all_equal(ref_state.inner_state, old_ref_state.inner_state)
         outputs = jax.device_get((params, opt_state, updates))
+        expected, expected_norm = _norm_apart((ref_params, ref_state, ref_updates))
+        if runner == "shard_map" and mode == "identical":
+            # The gradients vary over the axis as shard_map types them: 8 shards of one.
+            expected_norm = expected_norm * np.sqrt(NUM_DEVICES)
         for device in range(NUM_DEVICES):
-            chex.assert_trees_all_equal(
-                _on_device(outputs, device),
-                (ref_params, ref_state, ref_updates),
-            )
+            on_device, norm = _norm_apart(_on_device(outputs, device))
+            chex.assert_trees_all_equal(on_device, expected)
+            np.testing.assert_allclose(norm, expected_norm, rtol=1e-6)
+
+
+def _norm(grads) -> float:
+    """The L2 norm of all the entries of `grads`, in float64; NaN for any NaN or inf."""
+    entries = np.concatenate([np.ravel(leaf).astype(np.float64) for leaf in jax.tree.leaves(grads)])
+    return float(np.linalg.norm(entries)) if np.isfinite(entries).all() else np.nan
+
+
+def _norm_apart(outputs):
+    """`(params, state, updates)` with the state's `grad_norm` zeroed, and that norm."""
+    params, state, updates = outputs
+    stats = state.stats._replace(grad_norm=np.zeros_like(state.stats.grad_norm))
+    return (params, state._replace(stats=stats), updates), state.stats.grad_norm
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
@@ -237,9 +255,11 @@ def _one_skip_stats(value: float) -> jls.LossScaleStats:
     is_nan = bool(np.isnan(value))
     return jls.LossScaleStats(
         loss_scale=np.float32(512.0),
+        grad_norm=np.float32(np.nan),
         skipped_steps=np.int32(1),
         nan_skipped_steps=np.int32(is_nan),
         inf_skipped_steps=np.int32(not is_nan),
+        spike_skipped_steps=np.int32(0),
         consecutive_skipped_steps=np.int32(1),
         last_step_applied=np.bool_(False),
     )
@@ -318,12 +338,17 @@ def test_shard_map_replicated_state_all_finite_each_device_applies_its_own():
 
     outputs = jax.device_get(step_fn(params, opt_state, _stack(grads)))
 
+    # Each device's gradients vary over the axis: the norm is that of all of them.
+    global_norm = np.float32(_norm(grads))
     for device in range(NUM_DEVICES):
-        expected = _reference_step()(params, opt_state, grads[device])
-        chex.assert_trees_all_equal(_on_device(outputs, device), expected)
+        expected, own_norm = _norm_apart(_reference_step()(params, opt_state, grads[device]))
+        on_device, norm = _norm_apart(_on_device(outputs, device))
+        chex.assert_trees_all_equal(on_device, expected)
+        np.testing.assert_allclose(norm, global_norm, rtol=1e-6)
+        np.testing.assert_allclose(own_norm, _norm(grads[device]), rtol=1e-6)
         chex.assert_trees_all_equal(
-            jls.get_loss_scale_stats(expected[1]),
-            jls.LossScaleStats(np.float32(2048.0), *[np.int32(0)] * 4, np.bool_(True)),
+            jls.get_loss_scale_stats(expected[1])._replace(grad_norm=None),
+            jls.LossScaleStats(np.float32(2048.0), None, *[np.int32(0)] * 5, np.bool_(True)),
         )
     mu_w = outputs[1].inner_state[0].mu["w"]
     assert not np.array_equal(mu_w[0], mu_w[1])  # each device's state is its own
@@ -448,8 +473,8 @@ def _run_workers(tmp_path: Path, num_processes: int, timeout_s: float) -> list[d
     return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(num_processes)]
 
 
-def _reference_run() -> tuple[list[bool], dict[str, np.ndarray]]:
-    """The workers' training on one device of this process."""
+def _reference_run() -> tuple[list[bool], dict[str, np.ndarray], float]:
+    """The workers' training on one device of this process, and its last gradient norm."""
     tx = worker.make_tx()
     step = worker.make_train_step(tx)
     params = jax.device_put(worker.init_params(), jax.devices()[0])
@@ -458,14 +483,14 @@ def _reference_run() -> tuple[list[bool], dict[str, np.ndarray]]:
     for i in range(worker.NUM_STEPS):
         params, opt_state, _ = step(params, opt_state, worker.reference_batch(i, 2))
         applied.append(bool(jls.get_loss_scale_stats(opt_state).last_step_applied))
-    return applied, params
+    return applied, params, float(jls.get_loss_scale_stats(opt_state).grad_norm)
 
 
 def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
     results = _run_workers(tmp_path, num_processes=2, timeout_s=120)
 
     expected_applied = [True, False, True, True, False, True]
-    ref_applied, ref_params = _reference_run()
+    ref_applied, ref_params, ref_norm = _reference_run()
     assert ref_applied == expected_applied
     for i, result in enumerate(results):
         assert (result["process_id"], result["process_count"]) == (i, 2)
@@ -483,11 +508,15 @@ def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
             "good_steps": 1,
             "overflows_until_backoff": 1,
         }
+        # The global norm, over the shards of both processes.
+        np.testing.assert_allclose(result["stats"].pop("grad_norm"), ref_norm, rtol=1e-6)
+        assert ref_norm > 0
         assert result["stats"] == {
             "loss_scale": 512.0,
             "skipped_steps": 2,
             "nan_skipped_steps": 1,
             "inf_skipped_steps": 1,
+            "spike_skipped_steps": 0,
             "consecutive_skipped_steps": 0,
             "last_step_applied": True,
         }

@@ -43,8 +43,13 @@ def int32(value: int) -> jax.Array:
 
 
 def stats_dict(opt_state) -> dict:
-    stats = jls.get_loss_scale_stats(opt_state)
-    return {name: value.item() for name, value in stats._asdict().items()}
+    """The stats as Python values; a NaN `grad_norm` as "nan", so that dicts compare."""
+    stats = {
+        name: value.item() for name, value in jls.get_loss_scale_stats(opt_state)._asdict().items()
+    }
+    if math.isnan(stats["grad_norm"]):
+        stats["grad_norm"] = "nan"
+    return stats
 
 
 def exact(message: str) -> str:
@@ -114,12 +119,16 @@ class Model:
             self.inf_skipped += 1
         return False
 
-    def stats(self, applied: bool) -> dict:
+    def stats(self, applied: bool, grads: dict) -> dict:
+        entries = np.concatenate([np.ravel(grad).astype(np.float64) for grad in grads.values()])
+        norm = np.linalg.norm(entries)
         return {
             "loss_scale": float(self.scale),
+            "grad_norm": pytest.approx(norm, rel=1e-6) if applied else "nan",
             "skipped_steps": self.skipped,
             "nan_skipped_steps": self.nan_skipped,
             "inf_skipped_steps": self.inf_skipped,
+            "spike_skipped_steps": 0,
             "consecutive_skipped_steps": self.consecutive,
             "last_step_applied": applied,
         }
@@ -177,7 +186,7 @@ def test_wrapper_matches_the_model(config, inner_name, steps, seed):
         updates, opt_state = wrapped_update(ls, inner_name, scaled_grads, opt_state, PARAMS)
 
         applied = model.step(kind)
-        assert stats_dict(opt_state) == model.stats(applied), (index, kind)
+        assert stats_dict(opt_state) == model.stats(applied, true_grads), (index, kind)
         ls_state = opt_state.loss_scale_state
         assert (ls_state.good_steps.item(), ls_state.overflows_until_backoff.item()) == (
             model.good_steps,
@@ -288,9 +297,11 @@ def test_skip_counters_saturate_at_int32_max(jit_or_eager, bad, kind_counter):
     _, opt_state = jit_or_eager(tx.update, {"w": jnp.ones(2)}, opt_state, params)
     assert stats_dict(opt_state) == {
         "loss_scale": 2.0**7,
+        "grad_norm": np.float32(2**-6.5).item(),  # of [1, 1] / 2**7
         "skipped_steps": INT32_MAX,
         "nan_skipped_steps": INT32_MAX if kind_counter == "nan_skipped_steps" else 0,
         "inf_skipped_steps": INT32_MAX if kind_counter == "inf_skipped_steps" else 0,
+        "spike_skipped_steps": 0,
         "consecutive_skipped_steps": 0,
         "last_step_applied": True,
     }
@@ -359,9 +370,11 @@ def test_float64_gradients_with_x64_in_a_subprocess():
 
     stats_dtypes = {
         "loss_scale": "float32",
+        "grad_norm": "float32",
         "skipped_steps": "int32",
         "nan_skipped_steps": "int32",
         "inf_skipped_steps": "int32",
+        "spike_skipped_steps": "int32",
         "consecutive_skipped_steps": "int32",
         "last_step_applied": "bool",
     }
@@ -371,14 +384,19 @@ def test_float64_gradients_with_x64_in_a_subprocess():
         assert step["stats_dtypes"] == stats_dtypes
         assert step["ls_state_dtypes"] == ["float32", "int32", "int32"]
         assert step["inner_dtypes"] == ["float64"]
-    expected_stats = [  # (scale, skipped, nan, inf, consecutive, applied)
-        (1024.0, 0, 0, 0, 0, True),
-        (2048.0, 0, 0, 0, 0, True),
-        (1024.0, 1, 1, 0, 1, False),
-        (512.0, 2, 1, 1, 2, False),
-        (512.0, 2, 1, 1, 0, True),
+    # (scale, grad_norm, skipped, nan, inf, spike, consecutive, applied); the norm is a
+    # float32, where that of a float64 gradient holding 1e100 is +inf.
+    expected_stats = [
+        (1024.0, "inf", 0, 0, 0, 0, 0, True),
+        (2048.0, "inf", 0, 0, 0, 0, 0, True),
+        (1024.0, "nan", 1, 1, 0, 0, 1, False),
+        (512.0, "nan", 2, 1, 1, 0, 2, False),
+        (512.0, "inf", 2, 1, 1, 0, 0, True),
     ]
-    assert [tuple(step["stats"].values()) for step in steps] == expected_stats
+    assert [
+        tuple(str(value) if name == "grad_norm" else value for name, value in step["stats"].items())
+        for step in steps
+    ] == expected_stats
 
     # The first update is -0.5 * grads, exact in float64 only: 1e-300 and 2**-41 would
     # vanish in float32 and 1e100 * 1024 would overflow it.
@@ -441,9 +459,11 @@ def test_min_loss_scale_below_one_cannot_overflow_unscaling_silently(jit_or_eage
     assert scales == [0.125, 0.0625, 0.0625]
     assert stats_dict(opt_state) == {
         "loss_scale": 0.0625,
+        "grad_norm": "nan",
         "skipped_steps": 3,
         "nan_skipped_steps": 0,
         "inf_skipped_steps": 3,
+        "spike_skipped_steps": 0,
         "consecutive_skipped_steps": 3,
         "last_step_applied": False,
     }

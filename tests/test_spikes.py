@@ -1,0 +1,683 @@
+"""The gradient norm in the stats and spike skipping (DESIGN.md 3.9)."""
+
+import collections
+import math
+import re
+
+import chex
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jax_lossscale as jls
+from jax_lossscale._loss_scaled import SpikeWindow, SpikeWindows
+
+NUM_DEVICES = 8
+AXIS = "d"
+
+
+def exact(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+def assert_bits_equal(actual, expected):
+    chex.assert_trees_all_equal_structs(actual, expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(a).dtype == np.asarray(e).dtype
+        assert np.asarray(a).tobytes() == np.asarray(e).tobytes()
+
+
+def norm64(tree) -> float:
+    entries = [np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree.leaves(tree)]
+    return float(np.linalg.norm(np.concatenate(entries)))
+
+
+def scaled(grads, scale: float):
+    return jax.tree.map(lambda g: (np.asarray(g, np.float32) * scale).astype(g.dtype), grads)
+
+
+# --- 1. the norm ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        {"w": jnp.float32, "b": jnp.float32},
+        {"w": jnp.float16, "b": jnp.float16},
+        {"w": jnp.bfloat16, "b": jnp.bfloat16},
+        {"w": jnp.float16, "b": jnp.bfloat16},
+    ],
+    ids=["float32", "float16", "bfloat16", "mixed"],
+)
+def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(jit_or_eager, dtypes):
+    rng = np.random.default_rng(0)
+    true_grads = {
+        "w": rng.normal(size=(64, 16)).astype(dtypes["w"]) * 1e-3,
+        "b": rng.normal(size=(300,)).astype(dtypes["b"]),
+    }
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), true_grads)
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=2.0**10))
+    _, opt_state = jit_or_eager(tx.update, scaled(true_grads, 2.0**10), tx.init(params), params)
+
+    grad_norm = jls.get_loss_scale_stats(opt_state).grad_norm
+    assert grad_norm.dtype == jnp.float32
+    np.testing.assert_allclose(grad_norm, norm64(true_grads), rtol=1e-6)
+    as_float32 = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), true_grads)
+    np.testing.assert_allclose(grad_norm, optax.tree.norm(as_float32), rtol=1e-6)
+
+
+def test_grad_norm_is_zero_before_the_first_step_and_nan_after_an_overflow():
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=4.0))
+    params = {"w": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    assert_bits_equal(jls.get_loss_scale_stats(opt_state).grad_norm, np.float32(0.0))
+    norms = []
+    for grads in ([12.0, 16.0], [jnp.inf, 1.0], [-jnp.inf, 1.0], [jnp.nan, 1.0], [3.0, 4.0]):
+        _, opt_state = jax.jit(tx.update)({"w": jnp.array(grads)}, opt_state, params)
+        norms.append(float(jls.get_loss_scale_stats(opt_state).grad_norm))
+    # Scales 4, 4 -> 2 (inf), 2 -> 1, 1 -> 1 (floor): [3, 4], then [3, 4] at scale 1.
+    np.testing.assert_array_equal(norms, [5.0, np.nan, np.nan, np.nan, 5.0])
+
+
+def test_grad_norm_of_finite_gradients_whose_squares_overflow_is_inf():
+    tx = jls.loss_scaled(optax.sgd(0.0), jls.DynamicLossScale(initial_loss_scale=1.0))
+    params = {"w": jnp.zeros(2)}
+    _, opt_state = tx.update({"w": jnp.array([3e38, 1.0])}, tx.init(params), params)
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert bool(stats.last_step_applied)  # finite: applied
+    assert float(stats.grad_norm) == np.inf
+
+
+def _global_gradient():
+    """A gradient of 8 rows, one per device, of integer values: sums are exact."""
+    rng = np.random.default_rng(3)
+    return {
+        "w": rng.integers(-4, 5, size=(NUM_DEVICES, 6)).astype(np.float32),
+        "b": rng.integers(-4, 5, size=(NUM_DEVICES,)).astype(np.float32),
+    }
+
+
+def _per_device_gradients(grads):
+    """Per-device data-parallel gradients whose mean over the devices is `grads`."""
+    offsets = np.arange(NUM_DEVICES, dtype=np.float32) - (NUM_DEVICES - 1) / 2
+    return jax.tree.map(
+        lambda g: np.stack([g + 2.0 * offset for offset in offsets]).astype(np.float32), grads
+    )
+
+
+def _norm_of(opt_state) -> np.ndarray:
+    return np.asarray(jax.device_get(jls.get_loss_scale_stats(opt_state).grad_norm))
+
+
+def test_pmap_shard_map_and_spmd_jit_agree_on_the_norm():
+    grads = _global_gradient()
+    expected = norm64(grads)
+    assert expected == pytest.approx(float(optax.tree.norm(grads)), rel=1e-7)
+    scale = 2.0**6
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    rows = PartitionSpec(AXIS)
+
+    def step(tx):
+        def update(params, opt_state, scaled_grads):
+            _, opt_state = tx.update(scaled_grads, opt_state, params)
+            return opt_state
+
+        return update
+
+    loss_scale = jls.DynamicLossScale(initial_loss_scale=scale)
+    params = jax.tree.map(np.zeros_like, grads)
+    norms = {}
+
+    # SPMD jit: the gradient sharded by rows, no axis_name.
+    tx = jls.loss_scaled(optax.adam(1e-3), loss_scale)
+    placed = jax.device_put((params, scaled(grads, scale)), NamedSharding(mesh, rows))
+    norms["spmd jit"] = _norm_of(jax.jit(step(tx))(placed[0], tx.init(placed[0]), placed[1]))
+
+    # shard_map: each device holds its rows of the gradient (FSDP-like).
+    tx = jls.loss_scaled(optax.adam(1e-3), loss_scale, axis_name=AXIS)
+    state_specs = jax.tree.map(lambda x: rows if np.ndim(x) else PartitionSpec(), tx.init(params))
+    sharded = jax.jit(
+        jax.shard_map(
+            step(tx), mesh=mesh, in_specs=(rows, state_specs, rows), out_specs=state_specs
+        )
+    )
+    norms["shard_map, sharded"] = _norm_of(sharded(params, tx.init(params), scaled(grads, scale)))
+
+    # Data parallel: per-device gradients, pmean'ed, under pmap and under shard_map.
+    device_grads = scaled(_per_device_gradients(grads), scale)
+
+    def data_parallel(params, opt_state, scaled_grads):
+        return step(tx)(params, opt_state, jax.lax.pmean(scaled_grads, AXIS))
+
+    replicate = lambda tree: jax.tree.map(lambda x: np.stack([x] * NUM_DEVICES), tree)  # noqa: E731
+    pmapped = jax.pmap(data_parallel, axis_name=AXIS)
+    norms["pmap, pmean"] = _norm_of(
+        pmapped(replicate(params), replicate(tx.init(params)), device_grads)
+    )
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+    mapped = jax.jit(
+        jax.shard_map(
+            lambda p, s, g: data_parallel(p, s, first(g)),
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), rows),
+            out_specs=PartitionSpec(),
+        )
+    )
+    norms["shard_map, pmean"] = _norm_of(mapped(params, tx.init(params), device_grads))
+
+    for name, norm in norms.items():
+        np.testing.assert_allclose(norm, expected, rtol=1e-6, err_msg=name)
+
+
+# --- 2. skipping spikes ---------------------------------------------------------------------
+
+
+def _state_parts(opt_state):
+    return jls.get_loss_scale_stats(opt_state), opt_state.loss_scale_state
+
+
+def test_an_absolute_bound_skips_finite_steps_above_it_and_the_scale_sees_them_finite():
+    ls = jls.DynamicLossScale(initial_loss_scale=2.0**4, increment_period=2)
+    tx = jls.loss_scaled(optax.adam(0.1), ls, skip_grad_norm_above=1.0)
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = tx.init(params)
+    step = jax.jit(tx.update)
+    trajectory = []
+    for true_grad in ([0.0, 1.0], [3.0, 4.0], [0.375, 0.5], [jnp.inf, 0.0], [0.0, 0.5]):
+        scale = float(jls.get_loss_scale(opt_state))
+        before = (params, opt_state.inner_state)
+        updates, opt_state = step({"w": jnp.array(true_grad) * scale}, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        stats = jls.get_loss_scale_stats(opt_state)
+        if not stats.last_step_applied:
+            assert_bits_equal((params, opt_state.inner_state), before)
+        trajectory.append(
+            (
+                float(stats.loss_scale),
+                str(float(stats.grad_norm)),
+                int(stats.skipped_steps),
+                int(stats.spike_skipped_steps),
+                int(stats.inf_skipped_steps),
+                int(stats.consecutive_skipped_steps),
+                bool(stats.last_step_applied),
+            )
+        )
+    assert trajectory == [
+        (16.0, "1.0", 0, 0, 0, 0, True),  # the bound itself is not above it
+        (32.0, "5.0", 1, 1, 0, 1, False),  # a spike, and the second finite step: growth
+        (32.0, "0.625", 1, 1, 0, 0, True),
+        (16.0, "nan", 2, 1, 1, 1, False),
+        (16.0, "0.5", 2, 1, 1, 0, True),
+    ]
+    assert int(opt_state.inner_state[0].count) == 3  # adam counted the applied steps only
+
+
+def _norm_steps(tx, norms, values=None, params=None):
+    """Runs steps whose unscaled gradient is `[norm, 0]`; returns the last state and
+    `(grad_norm, applied)` per step."""
+    params = {"w": jnp.zeros(2)} if params is None else params
+    opt_state = tx.init(params)
+    step = jax.jit(tx.update)
+    record = []
+    for index, norm in enumerate(norms):
+        scale = float(jls.get_loss_scale(opt_state))
+        grads = {"w": jnp.array([norm, 0.0], jnp.float32) * scale}
+        extra = {} if values is None else {"value": values[index]}
+        updates, opt_state = step(grads, opt_state, params, **extra)
+        params = optax.apply_updates(params, updates)
+        stats = jls.get_loss_scale_stats(opt_state)
+        record.append((float(stats.grad_norm), bool(stats.last_step_applied)))
+    return opt_state, record
+
+
+def _window_in_order(window: SpikeWindow) -> list[float]:
+    """The values of a window, oldest first."""
+    values, filled, start = np.asarray(window.values), int(window.filled), int(window.next_index)
+    if filled < len(values):
+        return values[:filled].tolist()
+    return np.roll(values, -start).tolist()
+
+
+def test_a_norm_spike_against_a_full_window_is_skipped():
+    ls = jls.FixedLossScale(8.0)
+    tx = jls.loss_scaled(optax.sgd(1.0), ls, skip_spike_sigmas=2.0, spike_window=4)
+    # 100 comes before the window is full: applied. Against [2, 100, 2, 2] (mean 26.5, std
+    # 42.4) 100 is within 2 sigmas; against [100, 2, 2, 100] (mean 51, std 49) 200 is not.
+    norms = [2.0, 100.0, 2.0, 2.0, 100.0, 200.0, 4.0]
+    opt_state, record = _norm_steps(tx, norms)
+    assert [applied for _, applied in record] == [True, True, True, True, True, False, True]
+    assert [norm for norm, _ in record] == norms
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (int(stats.skipped_steps), int(stats.spike_skipped_steps)) == (1, 1)
+    assert _window_in_order(opt_state.spike_windows.grad_norm) == [2.0, 2.0, 100.0, 4.0]
+    assert int(opt_state.spike_windows.loss.filled) == 0  # no value= given
+
+
+def test_the_window_fills_with_applied_steps_only():
+    ls = jls.DynamicLossScale(initial_loss_scale=2.0**4)
+    tx = jls.loss_scaled(
+        optax.sgd(1.0), ls, skip_grad_norm_above=50.0, skip_spike_sigmas=2.0, spike_window=3
+    )
+    norms = [1.0, np.inf, 2.0, 60.0, np.nan, 3.0, 3.0, 9.0, 2.5]
+    opt_state, record = _norm_steps(tx, norms)
+    applied = [applied for _, applied in record]
+    # inf and NaN overflow, 60 is above the bound; against [1, 2, 3] (mean 2, std 0.82)
+    # 3 is within 2 sigmas, against [2, 3, 3] (mean 2.67, std 0.47) 9 is not.
+    assert applied == [True, False, True, False, False, True, True, False, True]
+    assert _window_in_order(opt_state.spike_windows.grad_norm) == [3.0, 3.0, 2.5]
+    stats = jls.get_loss_scale_stats(opt_state)
+    counts = (
+        stats.skipped_steps,
+        stats.nan_skipped_steps,
+        stats.inf_skipped_steps,
+        stats.spike_skipped_steps,
+        stats.consecutive_skipped_steps,
+    )
+    assert tuple(map(int, counts)) == (4, 1, 1, 2, 0)
+
+
+def test_a_loss_spike_given_as_value_is_skipped_and_a_nan_loss_too():
+    tx = jls.loss_scaled(
+        optax.sgd(1.0), jls.FixedLossScale(1.0), skip_spike_sigmas=3.0, spike_window=2
+    )
+    norms = [1.0] * 7
+    losses = [2.0, 2.5, 10.0, 2.25, np.nan, jnp.float32(2.5), 2]
+    opt_state, record = _norm_steps(tx, norms, values=losses)
+    # [2, 2.5]: mean 2.25, std 0.25, bound 3: 10 is a spike; [2.5, 2.25] then: NaN is one too.
+    assert [applied for _, applied in record] == [True, True, False, True, False, True, True]
+    assert _window_in_order(opt_state.spike_windows.loss) == [2.5, 2.0]
+    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.0, 1.0]
+    assert int(jls.get_loss_scale_stats(opt_state).spike_skipped_steps) == 2
+
+
+def test_value_reaches_the_inner_transformation_too():
+    def make_inner():
+        return optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1))
+
+    tx = jls.loss_scaled(make_inner(), jls.FixedLossScale(1.0), skip_spike_sigmas=3.0)
+    bare = make_inner()
+    params = {"w": jnp.zeros(2)}
+    opt_state, bare_state = tx.init(params), bare.init(params)
+    for _ in range(3):
+        grads, loss = {"w": jnp.ones(2)}, jnp.float32(5.0)
+        _, opt_state = tx.update(grads, opt_state, params, value=loss)
+        _, bare_state = bare.update(grads, bare_state, params, value=loss)
+    assert bare_state[1].scale == np.float32(0.1) * np.float32(0.1)  # no improvement: cut twice
+    chex.assert_trees_all_equal(opt_state.inner_state, bare_state)
+    assert int(opt_state.spike_windows.loss.filled) == 3
+
+
+def _spike_run(inner, steps):
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(2.0**3), skip_grad_norm_above=10.0)
+    params = {"w": jnp.array([1.0, -2.0, 3.0])}
+    opt_state = tx.init(params)
+    step = jax.jit(tx.update)
+    for grad in steps:
+        scale = float(jls.get_loss_scale(opt_state))
+        updates, opt_state = step({"w": jnp.asarray(grad, jnp.float32) * scale}, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda: optax.adam(0.1),
+        lambda: optax.adamw(optax.linear_schedule(0.1, 0.0, 10), weight_decay=0.1),
+        lambda: optax.MultiSteps(optax.adam(0.1), every_k_schedule=3),
+    ],
+    ids=["adam", "adamw_schedule", "multisteps"],
+)
+def test_a_spike_skip_leaves_params_and_every_inner_state_bit_identical(make_inner):
+    good = [[0.5, -1.0, 0.25], [1.0, 1.0, -1.0]]
+    before_params, before_state = _spike_run(make_inner(), good)
+    after_params, after_state = _spike_run(make_inner(), [*good, [30.0, 0.0, 0.0]])
+    assert_bits_equal(after_params, before_params)
+    assert_bits_equal(after_state.inner_state, before_state.inner_state)
+    stats = jls.get_loss_scale_stats(after_state)
+    assert (int(stats.spike_skipped_steps), bool(stats.last_step_applied)) == (1, False)
+    assert float(stats.grad_norm) == 30.0
+    # ... and the run goes on as if the spike never came.
+    more = [[0.1, 0.2, 0.3]]
+    resumed_params, _ = _spike_run(make_inner(), [*good, [30.0, 0.0, 0.0], *more])
+    direct_params, _ = _spike_run(make_inner(), [*good, *more])
+    chex.assert_trees_all_close(resumed_params, direct_params, rtol=1e-6)
+
+
+def test_spike_skipping_under_pmap_every_device_agrees():
+    tx = jls.loss_scaled(
+        optax.sgd(1.0), jls.FixedLossScale(1.0), axis_name=AXIS, skip_spike_sigmas=1.0,
+        spike_window=2,
+    )  # fmt: skip
+
+    def step(params, opt_state, grads, loss):
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+        return optax.apply_updates(params, updates), opt_state
+
+    pmapped = jax.pmap(step, axis_name=AXIS)
+    replicate = lambda tree: jax.tree.map(lambda x: np.stack([x] * NUM_DEVICES), tree)  # noqa: E731
+    params = replicate({"w": np.zeros(2, np.float32)})
+    opt_state = replicate(tx.init({"w": jnp.zeros(2)}))
+    applied = []
+    # Every device's loss is its own; their mean is tested: 1, 1.25, then 4 (a spike).
+    for mean_loss in (1.0, 1.25, 4.0, 1.0):
+        losses = np.float32(mean_loss) + np.linspace(-0.5, 0.5, NUM_DEVICES, dtype=np.float32)
+        grads = replicate({"w": np.array([0.5, 0.0], np.float32)})
+        params, opt_state = pmapped(params, opt_state, grads, losses)
+        flags = np.asarray(opt_state.stats.last_step_applied)
+        assert len(set(flags.tolist())) == 1  # all devices agree
+        applied.append(bool(flags[0]))
+    assert applied == [True, True, False, True]
+    window = jax.tree.map(lambda x: x[3], opt_state.spike_windows.loss)
+    np.testing.assert_allclose(_window_in_order(window), [1.25, 1.0], rtol=1e-6)
+
+
+# --- 3. state, checkpoints, cost ------------------------------------------------------------
+
+
+def test_without_spike_skipping_the_state_holds_no_window():
+    params = {"w": jnp.zeros(3)}
+    for options in ({}, {"skip_grad_norm_above": 2.0}):
+        tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(), **options)
+        opt_state = tx.init(params)
+        assert opt_state.spike_windows is None
+        compiled = jax.jit(tx.update).lower(params, opt_state, params).compile().as_text()
+        assert "f32[128]" not in compiled
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(), skip_spike_sigmas=4.0)
+    windows = tx.init(params).spike_windows
+    empty = SpikeWindow(
+        values=np.zeros(128, np.float32), filled=np.int32(0), next_index=np.int32(0)
+    )
+    chex.assert_trees_all_equal(windows, SpikeWindows(grad_norm=empty, loss=empty), strict=True)
+
+
+def _reductions(compiled_text: str) -> int:
+    return len(re.findall(r"= \S+ reduce\(", compiled_text))
+
+
+def test_the_norm_comes_from_the_finite_check_s_reductions():
+    """One reduction per leaf checks the gradients and gives their norm; the other per
+    leaf is the NaN search on skipped steps. The windows' statistics add four."""
+    leaves = 6
+    params = {f"l{i}": jnp.ones((5000 + i,)) for i in range(leaves)}
+    counts = {}
+    for name, options in [
+        ("off", {}),
+        ("bound", {"skip_grad_norm_above": 1.0}),
+        ("window", {"skip_spike_sigmas": 3.0}),
+    ]:
+        tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(), **options)
+        lowered = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, value=1.0))
+        text = lowered.lower(params, tx.init(params), params).compile().as_text()
+        counts[name] = _reductions(text)
+    assert counts == {"off": 2 * leaves, "bound": 2 * leaves, "window": 2 * leaves + 4}
+
+
+def test_a_run_resumed_mid_window_continues_bit_identically(tmp_path):
+    tx = jls.loss_scaled(
+        optax.adam(0.1), jls.DynamicLossScale(2.0**5, increment_period=3),
+        skip_grad_norm_above=20.0, skip_spike_sigmas=2.0, spike_window=3,
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    directions = [rng.normal(size=4) for _ in range(12)]
+    steps = [  # norms 1, 1.1, 1.2, 1, ...: within 2 sigmas of each other
+        (d / np.linalg.norm(d) * (1.0 + 0.1 * (i % 3))).astype(np.float32)
+        for i, d in enumerate(directions)
+    ]
+    steps[4][1] = np.inf
+    steps[6] = steps[6] * 50  # a spike above the bound
+    steps[9] = steps[9] * 6  # a spike against the window
+    params = {"w": jnp.ones(4)}
+
+    @jax.jit
+    def train_step(params, opt_state, grad, loss):
+        scale = jls.get_loss_scale(opt_state)
+        updates, opt_state = tx.update({"w": grad * scale}, opt_state, params, value=loss)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run(params, opt_state, indices):
+        for index in indices:
+            loss = np.float32(1.0 + 0.125 * (index % 3))
+            params, opt_state = train_step(params, opt_state, steps[index], loss)
+        return params, opt_state
+
+    final = run(params, tx.init(params), range(12))
+    saved = run(params, tx.init(params), range(5))
+    assert int(saved[1].spike_windows.grad_norm.filled) == 3
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+        checkpointer.wait_until_finished()
+        target = jax.eval_shape(lambda: (params, tx.init(params)))
+        restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert_bits_equal(restored, saved)
+    resumed = run(*restored, range(5, 12))
+    assert_bits_equal(resumed, final)
+    stats = jls.get_loss_scale_stats(final[1])
+    assert (int(stats.inf_skipped_steps), int(stats.spike_skipped_steps)) == (1, 2)
+
+
+# --- 4. the whole rule, against a model -----------------------------------------------------
+
+
+class SpikeModel:
+    """DESIGN.md 3.9 in plain Python: which steps are skipped and what the windows hold."""
+
+    def __init__(self, bound, sigmas, window):
+        self.bound, self.sigmas = bound, sigmas
+        self.norms = collections.deque(maxlen=window)
+        self.losses = collections.deque(maxlen=window)
+        self.counts = {"nan": 0, "inf": 0, "spike": 0}
+
+    def _spike(self, history, value) -> bool:
+        if self.sigmas is None:
+            return False
+        if not math.isfinite(value):
+            return True
+        if len(history) < history.maxlen:
+            return False
+        mean = np.mean(np.array(history, np.float64))
+        std = np.std(np.array(history, np.float64))
+        return not value <= mean + self.sigmas * std
+
+    def step(self, kind: str, norm: float, loss: float | None) -> bool:
+        if kind != "finite":
+            self.counts[kind] += 1
+            return False
+        spike = self.bound is not None and norm > self.bound
+        spike |= self._spike(self.norms, norm)
+        if loss is not None:
+            spike |= self._spike(self.losses, loss)
+        if spike:
+            self.counts["spike"] += 1
+            return False
+        self.norms.append(norm)
+        if loss is not None:
+            self.losses.append(loss)
+        return True
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    bound=st.none() | st.sampled_from([3.0, 8.0]),
+    sigmas=st.none() | st.sampled_from([0.5, 1.0, 2.0]),
+    window=st.integers(2, 4),
+    with_loss=st.booleans(),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["finite"] * 4 + ["nan", "inf"]),
+            st.sampled_from([1.0, 2.0, 3.0, 4.0, 16.0]),
+            st.sampled_from([1.0, 2.0, 5.0, 30.0, math.nan]),
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+)
+def test_the_wrapper_follows_the_model(bound, sigmas, window, with_loss, steps):
+    if bound is None and sigmas is None:
+        bound = 1e30
+    tx = jls.loss_scaled(
+        optax.sgd(1.0), jls.DynamicLossScale(2.0**4, increment_period=2),
+        skip_grad_norm_above=bound, skip_spike_sigmas=sigmas, spike_window=window,
+    )  # fmt: skip
+    model = SpikeModel(bound, sigmas, window)
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+    opt_state = tx.init(params)
+    update = _jitted_update(tx)
+    finite_steps = 0
+    for kind, norm, loss in steps:
+        scale = float(jls.get_loss_scale(opt_state))
+        first = {"finite": norm, "nan": math.nan, "inf": math.inf}[kind]
+        grads = {"w": jnp.array([first * scale, 0.0]), "b": jnp.zeros(1)}
+        loss = loss if with_loss else None
+        opt_state = update(grads, opt_state, params, loss)
+        applied = model.step(kind, norm, loss)
+        finite_steps += kind == "finite"
+        stats = jls.get_loss_scale_stats(opt_state)
+        assert bool(stats.last_step_applied) == applied
+        counts = (stats.nan_skipped_steps, stats.inf_skipped_steps, stats.spike_skipped_steps)
+        assert tuple(map(int, counts)) == tuple(model.counts.values())
+        if kind == "finite":
+            assert float(stats.grad_norm) == norm
+        if sigmas is not None:
+            assert _window_in_order(opt_state.spike_windows.grad_norm) == list(model.norms)
+            assert _window_in_order(opt_state.spike_windows.loss) == list(model.losses)
+    # The loss scale counts spikes as finite steps: it grew every second finite step.
+    assert float(jls.get_loss_scale(opt_state)) == _model_scale(steps)
+
+
+def _model_scale(steps) -> float:
+    scale, good = 2.0**4, 0
+    for kind, _, _ in steps:
+        if kind == "finite":
+            good += 1
+            if good == 2:
+                scale, good = scale * 2, 0
+        else:
+            scale, good = max(scale / 2, 1.0), 0
+    return scale
+
+
+def _jitted_update(tx):
+    def update(grads, opt_state, params, loss):
+        extra = {} if loss is None else {"value": loss}
+        return tx.update(grads, opt_state, params, **extra)[1]
+
+    return jax.jit(update)
+
+
+# --- 5. bad arguments -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"skip_grad_norm_above": 0.0},
+            ValueError,
+            "loss_scaled(skip_grad_norm_above=0.0): skip_grad_norm_above must be None or a "
+            "positive finite number",
+        ),
+        (
+            {"skip_grad_norm_above": -1},
+            ValueError,
+            "loss_scaled(skip_grad_norm_above=-1): skip_grad_norm_above must be None or a "
+            "positive finite number",
+        ),
+        (
+            {"skip_grad_norm_above": math.inf},
+            ValueError,
+            "loss_scaled(skip_grad_norm_above=inf): skip_grad_norm_above must be finite",
+        ),
+        (
+            {"skip_grad_norm_above": "1.0"},
+            TypeError,
+            "loss_scaled(skip_grad_norm_above='1.0'): skip_grad_norm_above must be a real number",
+        ),
+        (
+            {"skip_spike_sigmas": math.nan},
+            ValueError,
+            "loss_scaled(skip_spike_sigmas=nan): skip_spike_sigmas must be finite",
+        ),
+        (
+            {"skip_spike_sigmas": True},
+            TypeError,
+            "loss_scaled(skip_spike_sigmas=True): skip_spike_sigmas must be a real number",
+        ),
+        (
+            {"skip_spike_sigmas": -3.0},
+            ValueError,
+            "loss_scaled(skip_spike_sigmas=-3.0): skip_spike_sigmas must be None or a positive "
+            "finite number",
+        ),
+        (
+            {"spike_window": 1},
+            ValueError,
+            "loss_scaled(spike_window=1): spike_window must be an integer >= 2 and <= 2147483647",
+        ),
+        (
+            {"spike_window": 8.0},
+            TypeError,
+            "loss_scaled(spike_window=8.0): spike_window must be an integer >= 2",
+        ),
+        (
+            {"spike_window": None},
+            TypeError,
+            "loss_scaled(spike_window=None): spike_window must be an integer >= 2",
+        ),
+    ],
+)
+def test_bad_spike_arguments_are_refused_naming_them(kwargs, error, message):
+    with pytest.raises(error, match=exact(message)):
+        jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [jnp.ones(2), "1.0", True, jnp.array(1 + 2j), jnp.array(True), [1.0]],
+    ids=["vector", "str", "bool", "complex", "bool_array", "list"],
+)
+def test_a_value_that_is_not_a_real_scalar_is_refused(value):
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), skip_spike_sigmas=3.0)
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"^loss_scaled\.update: value must be the step's loss"):
+        tx.update(params, tx.init(params), params, value=value)
+
+
+def test_a_state_without_windows_or_with_other_windows_is_refused():
+    params = {"w": jnp.ones(2)}
+    plain = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
+    spiky = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), skip_spike_sigmas=3.0)
+    with pytest.raises(
+        TypeError,
+        match=exact(
+            "loss_scaled.update: state.spike_windows must be the SpikeWindows that init() makes "
+            "when skip_spike_sigmas is set, got None"
+        ),
+    ):
+        spiky.update(params, plain.init(params), params)
+    with pytest.raises(
+        TypeError,
+        match=exact(
+            "loss_scaled.update: state.spike_windows holds spike windows, but this loss_scaled "
+            "has skip_spike_sigmas=None; pass the state returned by this transformation's init()"
+        ),
+    ):
+        plain.update(params, spiky.init(params), params)
+    short = jls.loss_scaled(
+        optax.sgd(0.1), jls.DynamicLossScale(), skip_spike_sigmas=3.0, spike_window=16
+    )
+    with pytest.raises(
+        ValueError,
+        match=exact(
+            "loss_scaled.update: state.spike_windows.grad_norm.values has shape (16,), but this "
+            "loss_scaled has spike_window=128; pass the state returned by this transformation's "
+            "init()"
+        ),
+    ):
+        spiky.update(params, short.init(params), params)
