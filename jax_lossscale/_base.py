@@ -47,7 +47,7 @@ class LossScale(abc.ABC):
       Array(64., dtype=float32)
     """
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_static(cls)
 
@@ -181,7 +181,9 @@ def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> N
     )
 
 
-def check_named_arrays(value: Any, template: NamedTuple, *, where: str, label: str, source: str):
+def check_named_arrays(
+    value: Any, template: NamedTuple, *, where: str, label: str, source: str
+) -> None:
     """Raises unless `value` is a NamedTuple of the template's type, shapes and dtypes.
 
     Weakly typed leaves are refused: a jitted step would trace again once they come

@@ -2,7 +2,8 @@
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, NoReturn, cast
 
 import jax
 import jax.numpy as jnp
@@ -104,10 +105,12 @@ class DynamicLossScale(LossScale):
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         received = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
-        def normalize(name, check, optional=False):
+        def normalize(
+            name: str, check: Callable[[str, str, Any], Any], optional: bool = False
+        ) -> None:
             value = getattr(self, name)
             if not (optional and value is None):
                 object.__setattr__(self, name, check("DynamicLossScale", name, value))
@@ -121,7 +124,7 @@ class DynamicLossScale(LossScale):
         normalize("hysteresis", _validation.integer)
         normalize("consecutive_hysteresis", _validation.boolean)
 
-        def fail(name, requirement):
+        def fail(name: str, requirement: str) -> NoReturn:
             used = getattr(self, name)
             if used != received[name]:
                 requirement += f" (it rounds to {used!r} in float32)"
@@ -153,7 +156,8 @@ class DynamicLossScale(LossScale):
         check_state(self, state, DynamicLossScaleState)
         check_array_leaves(grads, arg_name="grads", caller="DynamicLossScale.update")
         check_axis_name(axis_name, caller="DynamicLossScale.update")
-        return _update(self, state, grads, axis_name)
+        # jax.jit's wrapper returns Any.
+        return cast(tuple[DynamicLossScaleState, jax.Array], _update(self, state, grads, axis_name))
 
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
@@ -198,7 +202,7 @@ class DynamicLossScale(LossScale):
     def _ceiling(self) -> float:
         return _validation.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 

@@ -1,7 +1,7 @@
 """`FixedLossScale`: a loss scale that never changes."""
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ class FixedLossScale(LossScale):
 
     loss_scale_value: float
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         value = _validation.real("FixedLossScale", "loss_scale_value", self.loss_scale_value)
         if value < 1:
             _validation.fail("FixedLossScale", "loss_scale_value", self.loss_scale_value, ">= 1")
@@ -73,5 +73,5 @@ class FixedLossScale(LossScale):
         check_axis_name(axis_name, caller="FixedLossScale.update")
         return self.init(), jnp.array(True)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"loss_scale_value": self.loss_scale_value}

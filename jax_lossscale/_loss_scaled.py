@@ -1,9 +1,10 @@
 """`loss_scaled`: the optax wrapper that unscales, checks, skips and adjusts the scale."""
 
 import contextlib
+import functools
 import numbers
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +213,9 @@ def loss_scaled(
       ({'w': Array([1., 2.], dtype=float32)}, Array(2., dtype=float32))
     """
     if isinstance(inner, optax.MultiSteps):
-        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
+        # optax types MultiSteps.update's state as its MultiStepsState, narrower than the
+        # OptState of the update protocol.
+        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)  # type: ignore[arg-type]
     if not isinstance(inner, optax.GradientTransformation):
         hint = "; call it first, e.g. optax.adam(1e-3)" if callable(inner) else ""
         raise TypeError(
@@ -234,7 +237,8 @@ def loss_scaled(
     skip_spike_sigmas = _optional_positive("skip_spike_sigmas", skip_spike_sigmas)
     spike_window = _window_length(spike_window)
     windows = skip_spike_sigmas is not None
-    inner = optax.with_extra_args_support(inner)
+    # A public optax function that optax's __init__ imports but leaves out of its __all__.
+    inner = optax.with_extra_args_support(inner)  # type: ignore[attr-defined]
 
     def init_fn(params: optax.Params) -> LossScaledState:
         inner_state = inner.init(params)
@@ -272,7 +276,7 @@ def loss_scaled(
         loss = _loss_value(extra_args.get("value")) if windows else None
         scaled_grads = updates
 
-        def unscale(loss_scale_state):
+        def unscale(loss_scale_state: PyTree) -> PyTree:
             return loss_scale.unscale(loss_scale_state, scaled_grads)
 
         grads = unscale(state.loss_scale_state)
@@ -285,44 +289,50 @@ def loss_scaled(
         if loss is not None and axis_name is not None:
             loss = jax.lax.pmean(loss, axis_name)
 
-        spike = jnp.array(False)
+        spikes = []
         if skip_grad_norm_above is not None:
-            spike |= grad_norm > np.float32(skip_grad_norm_above)
-        if windows:
-            spike |= _is_spike(grad_norm, state.spike_windows.grad_norm, skip_spike_sigmas)
+            spikes.append(grad_norm > np.float32(skip_grad_norm_above))
+        old_windows = state.spike_windows  # None unless `windows`, as checked above
+        if old_windows is not None and skip_spike_sigmas is not None:  # both: `windows`
+            spikes.append(_is_spike(grad_norm, old_windows.grad_norm, skip_spike_sigmas))
             if loss is not None:
-                spike |= _is_spike(loss, state.spike_windows.loss, skip_spike_sigmas)
-        spike &= loss_scale_applies & grads_finite
-        finite = loss_scale_applies & ~spike
+                spikes.append(_is_spike(loss, old_windows.loss, skip_spike_sigmas))
+        if spikes:
+            spike = functools.reduce(jnp.logical_or, spikes) & loss_scale_applies & grads_finite
+            finite = loss_scale_applies & ~spike
+        else:  # a FixedLossScale's constant true stays a constant: no `cond` at all
+            spike, finite = jnp.array(False), loss_scale_applies
 
-        def skip_for_nan():  # for the stats; unscaling makes no NaN and removes none
+        def skip_for_nan() -> jax.Array:  # for the stats; unscaling makes no NaN and removes none
             return any_nan(scaled_grads)
 
         # The branch unscales on its own, so that XLA can fuse the multiplication into the
         # inner update instead of keeping the unscaled gradients in memory. The barrier keeps
         # XLA from merging it with the check's, which it does where the `cond` is gone (a
         # FixedLossScale's), so that both read the scaled gradients and neither is kept.
-        def inner_update():
+        def inner_update() -> tuple[optax.Updates, optax.OptState]:
             with _explaining_failures(inner, state.inner_state, [params, scaled_grads]):
                 grads = unscale(jax.lax.optimization_barrier(state.loss_scale_state))
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
         # The types both branches return, taken from the trace of the applied branch, which
         # `cond` traces first: the inner update is traced once, not again for the skip.
-        branch_types = []
+        branch_types: list[tuple[PyTree, PyTree]] = []
 
-        def types_of(new_updates, new_inner_state):
+        def types_of(
+            new_updates: optax.Updates, new_inner_state: optax.OptState
+        ) -> tuple[PyTree, PyTree]:
             if not branch_types:
                 branch_types.append(_branch_types(state.inner_state, new_updates, new_inner_state))
             return branch_types[0]
 
-        def apply_inner():
+        def apply_inner() -> tuple[optax.Updates, optax.OptState, jax.Array]:
             new_updates, new_inner_state = inner_update()
             _, inner_state_type = types_of(new_updates, new_inner_state)
             no_nan = jnp.zeros_like(jax.eval_shape(skip_for_nan))
             return new_updates, _as_types(new_inner_state, inner_state_type), no_nan
 
-        def skip_inner():
+        def skip_inner() -> tuple[optax.Updates, optax.OptState, jax.Array]:
             if not branch_types:  # traced alone, as under jax.disable_jit
                 types_of(*jax.eval_shape(inner_update))
             updates_type, inner_state_type = branch_types[0]
@@ -332,7 +342,10 @@ def loss_scaled(
                 skip_for_nan(),
             )
 
-        new_updates, inner_state, had_nan = jax.lax.cond(finite, apply_inner, skip_inner)
+        if isinstance(finite, jax.core.Tracer):
+            new_updates, inner_state, had_nan = jax.lax.cond(finite, apply_inner, skip_inner)
+        else:  # known when tracing (a FixedLossScale's, or eager): the branch is taken here
+            new_updates, inner_state, had_nan = apply_inner() if finite else skip_inner()
         if axis_name is not None:  # outside the cond: a collective there could wait forever
             had_nan = jax.lax.pmax(had_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
@@ -352,16 +365,17 @@ def loss_scaled(
             last_step_applied=finite,
         )
         spike_windows = None
-        if windows:
+        if old_windows is not None:  # `windows`
             spike_windows = SpikeWindows(
-                grad_norm=_recorded(state.spike_windows.grad_norm, grad_norm, finite),
-                loss=state.spike_windows.loss
+                grad_norm=_recorded(old_windows.grad_norm, grad_norm, finite),
+                loss=old_windows.loss
                 if loss is None
-                else _recorded(state.spike_windows.loss, loss, finite),
+                else _recorded(old_windows.loss, loss, finite),
             )
         return new_updates, LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax types the state as an ArrayTree, which has no place for None (spike_windows).
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
 def get_loss_scale(opt_state: Any) -> jax.Array:
@@ -463,7 +477,7 @@ def _read_scale(state: Any, caller: str) -> jax.Array:
             f"{caller}: the loss scale's state in opt_state ({type(loss_scale_state).__name__}) "
             "holds no float32 loss_scale"
         )
-    return scale
+    return cast(jax.Array, scale)  # a float32 array, as just checked
 
 
 def _field(node: Any, name: str) -> Any:
@@ -501,19 +515,25 @@ def _unwrapped(tree: PyTree) -> PyTree:
     return jax.tree.map(unwrap, tree, is_leaf=is_wrapper)
 
 
-_COUNT = jax.ShapeDtypeStruct((), jnp.int32)
+def _scalar_type(dtype: Any) -> jax.Array:
+    """A scalar `jax.ShapeDtypeStruct`, typed as the array it stands for in a template."""
+    return cast(jax.Array, jax.ShapeDtypeStruct((), dtype))
+
+
+_COUNT = _scalar_type(jnp.int32)
 _STATS_TEMPLATE = StepStats(
-    grad_norm=jax.ShapeDtypeStruct((), jnp.float32),
+    grad_norm=_scalar_type(jnp.float32),
     skipped_steps=_COUNT,
     nan_skipped_steps=_COUNT,
     inf_skipped_steps=_COUNT,
     spike_skipped_steps=_COUNT,
     consecutive_skipped_steps=_COUNT,
-    last_step_applied=jax.ShapeDtypeStruct((), jnp.bool_),
+    last_step_applied=_scalar_type(jnp.bool_),
 )
 
 
-def _check_wrapper_state(state: Any, spike_window: int | None) -> None:
+def _check_wrapper_state(state: Any, spike_window: int | None) -> LossScaledState:
+    """`state`, once checked to be a `LossScaledState` this `loss_scaled` can update."""
     where = "loss_scaled.update"
     if not isinstance(state, LossScaledState):
         raise TypeError(
@@ -529,7 +549,7 @@ def _check_wrapper_state(state: Any, spike_window: int | None) -> None:
                 f"{where}: state.spike_windows holds spike windows, but this loss_scaled has "
                 "skip_spike_sigmas=None; pass the state returned by this transformation's init()"
             )
-        return
+        return state
     if not isinstance(state.spike_windows, SpikeWindows):
         raise TypeError(
             f"{where}: state.spike_windows must be the SpikeWindows that init() makes when "
@@ -538,7 +558,7 @@ def _check_wrapper_state(state: Any, spike_window: int | None) -> None:
     template = jax.eval_shape(lambda: _empty_windows(spike_window))
     for name in SpikeWindows._fields:
         window = getattr(state.spike_windows, name)
-        values = getattr(window, "values", None)
+        values: Any = getattr(window, "values", None)
         if getattr(values, "shape", (spike_window,)) != (spike_window,):
             raise ValueError(
                 f"{where}: state.spike_windows.{name}.values has shape {values.shape}, but "
@@ -552,6 +572,7 @@ def _check_wrapper_state(state: Any, spike_window: int | None) -> None:
             label=f"state.spike_windows.{name}",
             source="init()",
         )
+    return state
 
 
 def _optional_positive(name: str, value: Any) -> float | None:
@@ -573,7 +594,7 @@ def _window_length(value: Any) -> int:
 
 
 def _empty_windows(spike_window: int) -> SpikeWindows:
-    def empty():
+    def empty() -> SpikeWindow:
         return SpikeWindow(
             values=jnp.zeros([spike_window], jnp.float32),
             filled=jnp.zeros([], jnp.int32),
@@ -658,7 +679,7 @@ def _type_of(value: Any) -> jax.ShapeDtypeStruct:
 @contextlib.contextmanager
 def _explaining_failures(
     inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
-) -> Any:
+) -> Iterator[None]:
     """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s."""
     try:
         yield
@@ -678,7 +699,8 @@ def _inner_state_mismatch(
     accepts. Params that `inner.init` was not given (an equinox model where the state
     was initialised on its filtered arrays) are tried as the gradients' structure too.
     """
-    actual = jax.tree.structure(inner_state)
+    # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `==` type-checks.
+    actual: jax.tree_util.PyTreeDef = jax.tree.structure(inner_state)
     expected = None
     for argument in init_arguments:
         if argument is None:
@@ -702,15 +724,15 @@ def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDty
     old_type = jax.typeof(old)
     if old_type.weak_type:  # it takes the dtype the update gives it, as JAX's promotion does
         return new
-    if old_type.dtype == new.dtype:
-        return new.update(weak_type=False)
+    if old_type.dtype == new.dtype:  # (ShapeDtypeStruct.update has no annotations)
+        return cast(jax.ShapeDtypeStruct, new.update(weak_type=False))
     candidates = [new.dtype, old_type.dtype]
     with contextlib.suppress(jax.dtypes.TypePromotionError):  # as between 8-bit floats
         candidates.append(jnp.promote_types(old_type.dtype, new.dtype))
     candidates.append(jnp.dtype(jnp.float32))
     for dtype in candidates:
         if _holds_exactly(dtype, old_type.dtype) and _holds_exactly(dtype, new.dtype):
-            return new.update(dtype=dtype, weak_type=False)
+            return cast(jax.ShapeDtypeStruct, new.update(dtype=dtype, weak_type=False))
     raise TypeError(
         f"loss_scaled.update: inner.update turns the state leaf at "
         f"{jax.tree_util.keystr(path) or '<root>'} from {old_type.dtype} into {new.dtype}, and "
@@ -725,6 +747,7 @@ def _holds_exactly(dtype: Any, other: Any) -> bool:
         return True
     if not jnp.issubdtype(dtype, jnp.floating):
         return bool(np.can_cast(other, dtype, casting="safe"))
+    # jnp.finfo and jnp.iinfo are ml_dtypes' classes, which have no annotations.
     wide = jnp.finfo(dtype)
     if jnp.issubdtype(other, jnp.integer):
         limits = jnp.iinfo(other)
@@ -748,7 +771,7 @@ def _as_types(tree: PyTree, types: PyTree) -> PyTree:
     return jax.tree.map(_as_type, tree, types)
 
 
-def _as_type(value: Any, target: jax.ShapeDtypeStruct) -> jax.Array:
+def _as_type(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
     """`value` with the dtype, weak type and varying manual axes of `target`.
 
     A state that comes in replicated comes out of the inner update varying when the

@@ -2,7 +2,7 @@
 
 import inspect
 import numbers
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from jax_lossscale._base import LossScale
 from jax_lossscale._dynamic import DynamicLossScale
@@ -111,7 +111,8 @@ def get(identifier: Any) -> LossScale | None:
     if identifier is None or isinstance(identifier, LossScale):
         return identifier
     if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
-        return FixedLossScale(identifier)
+        # FixedLossScale takes any real number, checks it and keeps it as the float it is typed.
+        return FixedLossScale(cast(float, identifier))
     if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()
     if isinstance(identifier, dict):

@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +106,7 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
     """
     check_array_leaves(tree, arg_name="tree", caller="all_finite")
     check_axis_name(axis_name, caller="all_finite")
-    return finite_flag(tree, axis_name)
+    return cast(jax.Array, finite_flag(tree, axis_name))  # jax.jit's wrapper returns Any
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -155,10 +155,10 @@ def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[ja
     if axis_name is None:
         return jnp.sqrt(sum(totals)).astype(jnp.float32), finite
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    by_axes: dict[tuple, list[jax.Array]] = {}
+    by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
     for part, total in zip(parts, totals, strict=True):
-        varying = getattr(jax.typeof(part), "manual_axis_type", None)
-        varying = getattr(varying, "varying", frozenset())
+        axis_type = getattr(jax.typeof(part), "manual_axis_type", None)
+        varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
         by_axes.setdefault(tuple(name for name in names if name in varying), []).append(total)
     combined = [
         jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
@@ -183,6 +183,7 @@ def any_nan(tree: PyTree) -> jax.Array:
 
 def wide_dtype(dtype: Any) -> Any:
     """`dtype` if it has 32 bits or more, else float32: the precision to compute in."""
+    # jnp.finfo is ml_dtypes.finfo, which has no annotations (jax re-exports it).
     return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
 
 
@@ -202,7 +203,8 @@ def floating_parts(tree: PyTree, join_small: bool | None = None) -> list[jax.Arr
     """
     if join_small is None:
         join_small = jax.device_count() == 1
-    parts, small = [], {}
+    parts: list[jax.Array] = []
+    small: dict[Any, list[jax.Array]] = {}
     for leaf in jax.tree.leaves(tree):
         if not is_floating(leaf):
             continue
@@ -212,7 +214,8 @@ def floating_parts(tree: PyTree, join_small: bool | None = None) -> list[jax.Arr
             else:
                 parts.append(part)
     for same_dtype in small.values():
-        group, size = [], 0
+        group: list[jax.Array] = []
+        size = 0
         for part in same_dtype:
             if group and size + part.size > GROUP_SIZE:
                 parts.append(jnp.concatenate(group))
@@ -245,14 +248,14 @@ def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
     bounded = jnp.minimum(divisor, np.float32(2.0**126))
     reciprocal, correction = 1 / bounded, bounded / divisor
 
-    def unscale(leaf, wide):
+    def unscale(leaf: jax.Array, wide: Any) -> jax.Array:
         return leaf.astype(wide) * reciprocal.astype(wide) * correction.astype(wide)
 
     return _map_floating(unscale, tree)
 
 
 def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> PyTree:
-    def apply(leaf):
+    def apply(leaf: jax.Array) -> jax.Array:
         if not is_floating(leaf):
             return leaf
         return fn(leaf, wide_dtype(leaf.dtype)).astype(leaf.dtype)
@@ -260,7 +263,7 @@ def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> Py
     return jax.tree.map(apply, tree)
 
 
-def _path_name(path: tuple) -> str:
+def _path_name(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) if path else "<root>"
 
 

@@ -9,7 +9,7 @@ config see the very values the update rule uses.
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -20,7 +20,9 @@ FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def fail(owner: str, name: str, value: Any, requirement: str, error: type = ValueError):
+def fail(
+    owner: str, name: str, value: Any, requirement: str, error: type[Exception] = ValueError
+) -> NoReturn:
     """Raises `error` with a message that names the argument and the value received."""
     raise error(f"{owner}({name}={describe(value)}): {name} must be {requirement}")
 
