@@ -1,5 +1,7 @@
 """Loss scaling for mixed-precision training in JAX."""
 
+from importlib import metadata as _metadata
+
 from jax_lossscale._base import LossScale as LossScale
 from jax_lossscale._diagnostics import count_non_finite as count_non_finite
 from jax_lossscale._diagnostics import non_finite_paths as non_finite_paths
@@ -17,6 +19,8 @@ from jax_lossscale._serialization import get as get
 from jax_lossscale._serialization import register as register
 from jax_lossscale._serialization import serialize as serialize
 from jax_lossscale._tree import all_finite as all_finite
+
+__version__: str = _metadata.version("jax_lossscale")
 
 __all__ = [
     "DynamicLossScale",
@@ -36,4 +40,5 @@ __all__ = [
     "non_finite_paths",
     "register",
     "serialize",
+    "__version__",
 ]
