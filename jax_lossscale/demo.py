@@ -34,7 +34,7 @@ import importlib
 import math
 from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,8 @@ class RunResult:
       loss_scales: float32 [steps]: the loss scale each step used (1 without loss scaling).
       applied: bool [steps]: whether each step's update was applied (false: skipped).
       zero_grad_shares: float32 [steps]: the share of gradient entries that are exactly 0.
+      grad_errors: per parameter, float32 [steps]: the relative error of the run's (unscaled)
+        gradient against the float32 gradient at the same parameters, `|g - g32| / |g32|`.
       stats: with loss scaling, `get_loss_scale_stats` of the final optimizer state.
     """
 
@@ -74,6 +76,7 @@ class RunResult:
     loss_scales: np.ndarray
     applied: np.ndarray
     zero_grad_shares: np.ndarray
+    grad_errors: dict[str, np.ndarray]
     stats: jls.LossScaleStats | None
 
     @property
@@ -84,6 +87,13 @@ class RunResult:
     def zero_grad_share(self) -> float:
         """The mean over all steps of the share of exactly-zero gradient entries."""
         return float(np.mean(self.zero_grad_shares))
+
+    def median_grad_errors(self) -> dict[str, float]:
+        """Per parameter, the median over the applied steps of its gradient's relative error."""
+        return {
+            name: float(np.median(errors[self.applied])) if self.applied.any() else math.nan
+            for name, errors in self.grad_errors.items()
+        }
 
 
 class _Run(NamedTuple):
@@ -110,6 +120,7 @@ class _StepLog(NamedTuple):
     loss_scale: jax.Array
     applied: jax.Array
     zero_grad_share: jax.Array
+    grad_errors: dict[str, jax.Array]
 
 
 def main(argv: list[str] | None = None) -> dict[str, RunResult]:
@@ -241,14 +252,22 @@ def _train_step(
     leaves = jax.tree.leaves(grads)
     zeros = sum(jnp.count_nonzero(leaf == 0) for leaf in leaves)
     zero_grad_share = (zeros / sum(leaf.size for leaf in leaves)).astype(jnp.float32)
+    # What few zeros do not show: how far the float16 gradient is from float32's.
+    reference = jax.grad(_loss)(params, x, y, jnp.float32)
+    grad_errors = {
+        name: jnp.linalg.norm(grads[name] / scale - reference[name])
+        / jnp.linalg.norm(reference[name])
+        for name in grads
+    }
 
     updates, opt_state = _optimizer(run, steps).update(grads, opt_state, params)
     if scaled:
         applied = jls.get_loss_scale_stats(opt_state).last_step_applied
     else:
         applied = jnp.ones([], jnp.bool_)
-    log = _StepLog(loss, scale, applied, zero_grad_share)
-    return optax.apply_updates(params, updates), opt_state, log
+    log = _StepLog(loss, scale, applied, zero_grad_share, grad_errors)
+    # optax types the new params as any tree; they have the structure of `params`.
+    return cast(Params, optax.apply_updates(params, updates)), opt_state, log
 
 
 def _train(
@@ -278,16 +297,27 @@ def _train(
         loss_scales=history.loss_scale,
         applied=history.applied,
         zero_grad_shares=history.zero_grad_share,
+        grad_errors=history.grad_errors,
         stats=jax.device_get(stats),
     )
 
 
 def _summary(results: dict[str, RunResult]) -> str:
     reference = results["float32"].final_loss
-    header = ("run", "final loss", "vs float32", "skipped steps", "final scale", "zero grads*")
+    header = (
+        "run",
+        "final loss",
+        "vs float32",
+        "skipped steps",
+        "final scale",
+        "zero grads*",
+        "grad error**",
+    )
     rows = [header]
-    for result in results.values():
+    worst = []
+    for key, result in results.items():
         stats = result.stats
+        errors = result.median_grad_errors()
         rows.append(
             (
                 result.label,
@@ -296,8 +326,13 @@ def _summary(results: dict[str, RunResult]) -> str:
                 "-" if stats is None else str(stats.skipped_steps),
                 "-" if stats is None else f"2**{math.log2(stats.loss_scale):g}",
                 f"{result.zero_grad_share:.1%}",
+                "-" if key == "float32" else f"{max(errors.values()):.1%}",
             )
         )
+        if key != "float32":
+            ranked = sorted(errors.items(), key=lambda item: -item[1])[:3]
+            named = ", ".join(f"{name} {error:.1%}" for name, error in ranked)
+            worst.append(f"  {result.label}: {named}")
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         "  ".join(
@@ -310,9 +345,12 @@ def _summary(results: dict[str, RunResult]) -> str:
     steps = len(next(iter(results.values())).losses)
     lines.append(
         f"\n{steps} steps per run. *: share of the gradient entries that are exactly zero, mean "
-        "over all steps\n(for the scaled run, of the scaled gradients; unscaling keeps zeros zero)."
+        "over all steps\n(for the scaled run, of the scaled gradients; unscaling keeps zeros "
+        "zero). **: relative error\n|g - g32| / |g32| of the unscaled gradient against "
+        "float32's at the same params, median\nover the applied steps, of the worst parameter. "
+        "The worst ones:"
     )
-    return "\n" + "\n".join(lines)
+    return "\n" + "\n".join([*lines, *worst])
 
 
 def _plot(results: dict[str, RunResult], path: str) -> None:
@@ -320,7 +358,7 @@ def _plot(results: dict[str, RunResult], path: str) -> None:
 
     figure = Figure(figsize=(12, 4), layout="constrained")
     loss_axes, zeros_axes, scale_axes = figure.subplots(1, 3)
-    styles = {
+    styles: dict[str, dict[str, Any]] = {
         "float32": {"color": "k", "linestyle": "--", "zorder": 3},
         "float16": {"color": "C1"},
         "float16_scaled": {"color": "C0"},

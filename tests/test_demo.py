@@ -29,6 +29,23 @@ def test_returns_one_result_per_run_with_one_entry_per_step(results):
     for r in results.values():
         for per_step in (r.losses, r.loss_scales, r.applied, r.zero_grad_shares):
             assert per_step.shape == (STEPS,)
+        assert sorted(r.grad_errors) == ["b1", "b2", "b3", "w1", "w2", "w3"]
+        for errors in r.grad_errors.values():
+            assert errors.shape == (STEPS,)
+
+
+def test_gradient_errors_against_float32_show_what_zeros_do_not(results):
+    """Without scaling every parameter's float16 gradient is wholly wrong; with it, each is
+    far closer to float32's; the float32 run's own gradient is float32's."""
+    float32 = results["float32"].median_grad_errors()
+    unscaled = results["float16"].median_grad_errors()
+    scaled = results["float16_scaled"].median_grad_errors()
+    assert max(float32.values()) < 1e-6
+    assert min(unscaled.values()) > 0.5
+    assert unscaled["w1"] == 1.0  # all its entries underflow to zero: 100% wrong
+    assert max(scaled.values()) < 0.5
+    for name, error in scaled.items():
+        assert error < unscaled[name] / 2, name
 
 
 def test_float16_gradients_underflow_to_zero_without_loss_scaling(results):
@@ -112,6 +129,7 @@ def test_module_prints_progress_and_the_summary_table():
         "skipped steps",
         "final scale",
         "zero grads*",
+        "grad error**",
     ]
     assert set(lines[1]) == {"-"}
     assert [row[0] for row in rows[2:]] == [
@@ -119,11 +137,19 @@ def test_module_prints_progress_and_the_summary_table():
         "float16, no loss scaling",
         "float16, DynamicLossScale",
     ]
-    assert rows[2][2:] == ["1.00x", "-", "-", "0.0%"]
+    assert rows[2][2:] == ["1.00x", "-", "-", "0.0%", "-"]
+    assert re.fullmatch(r"\d+\.\d%", rows[3][6])
     assert rows[3][3:5] == ["-", "-"]
     assert int(rows[4][3]) >= 1
     assert re.fullmatch(r"2\*\*\d+", rows[4][4])
     assert "20 steps per run." in completed.stdout
+    worst = [line.strip() for line in lines if line.startswith("  float16")]
+    assert [line.split(":")[0] for line in worst] == [
+        "float16, no loss scaling",
+        "float16, DynamicLossScale",
+    ]
+    for line in worst:  # the three worst parameters, by name
+        assert re.fullmatch(r"[^:]+: ([bw]\d \d+\.\d%, ){2}[bw]\d \d+\.\d%", line), line
 
 
 def test_seed_changes_the_task_and_matplotlib_is_only_needed_for_plot(results, monkeypatch):
