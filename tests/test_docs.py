@@ -1,0 +1,41 @@
+"""Every Python code block of every page in docs/ runs and prints what its `# -> ...` comments
+say (as `tests/test_readme.py` does for the README), and every page is in the site's nav."""
+
+import pathlib
+import re
+
+import pytest
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+BLOCKS = [
+    (page.name, index, block)
+    for page in PAGES
+    for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL))
+]
+
+
+def test_the_docs_have_pages_with_python_blocks():
+    assert len(PAGES) >= 10
+    assert len(BLOCKS) >= 20
+
+
+@pytest.mark.parametrize(
+    ("page", "index", "block"), BLOCKS, ids=[f"{page}[{index}]" for page, index, _ in BLOCKS]
+)
+def test_docs_block_runs_and_prints_what_it_says(page, index, block, capsys):
+    exec(compile(block, f"docs/{page}[python block {index}]", "exec"), {})
+    expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
+    assert capsys.readouterr().out.split("\n")[: len(expected)] == expected
+
+
+def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
+    import jax_lossscale
+
+    config = (DOCS.parent / "mkdocs.yml").read_text()
+    for page in PAGES:
+        assert f": {page.name}\n" in config, page.name
+    api = (DOCS / "api.md").read_text()
+    for name in jax_lossscale.__all__:
+        if name != "__version__":
+            assert f"::: jax_lossscale.{name}\n" in api, name
