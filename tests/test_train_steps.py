@@ -666,7 +666,10 @@ def test_requires_python_ruff_target_and_readme_agree_with_the_dependencies():
         _lower_bound(importlib.metadata.metadata(name)["Requires-Python"])
         for name in ("jax", "jaxlib", "optax")
     )
-    assert claimed == needed[:2]
+    # jax 0.10, the lowest the dependencies allow, needs 3.11; a newer jax installed (as pip
+    # picks on Python 3.12) may need more, and an older interpreter then gets jax 0.10.
+    assert claimed <= needed[:2]
+    assert claimed == (3, 11)
     assert pyproject["tool"]["ruff"]["target-version"] == "py{}{}".format(*claimed)
     readme = (ROOT / "README.md").read_text()
     assert re.findall(r"Python >= (3\.\d+)", readme) == ["{}.{}".format(*claimed)]
