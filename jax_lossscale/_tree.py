@@ -112,7 +112,12 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
-    flags = [~jnp.isnan(total) for total in square_sums(floating_parts(tree))]
+    return _finite(square_sums(floating_parts(tree)), axis_name)
+
+
+def _finite(totals: list[jax.Array], axis_name: AxisName | None) -> jax.Array:
+    """Whether no sum of `square_sums` is NaN, combined over `axis_name`."""
+    flags = [~jnp.isnan(total) for total in totals]
     finite = jnp.stack(flags).all() if flags else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -120,13 +125,15 @@ def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
 
 
 def square_sums(parts: list[jax.Array]) -> list[jax.Array]:
-    """Per part, the sum of `x**2 + (x - x)` over its entries, in float32 or wider.
+    """Per part, the sum of `x * (x + (x - x))` over its entries, in float32 or wider.
 
     The one pass over the gradients that both the finite check and the gradient norm
     read: `x - x` is 0 for a finite `x` and NaN for +-inf and NaN, so a sum is NaN
     exactly when its part holds a non-finite entry (its other terms are >= 0, and
     squares too large for the dtype only make it +inf). Otherwise it is the part's
     squared L2 norm. XLA fuses the arithmetic into the reduction, which writes nothing.
+    (Written so, not as `x**2 + (x - x)`, so that XLA does not share the square with an
+    optimizer's own `g**2` and keep it in memory for both.)
     """
     totals = []
     for part in parts:
@@ -149,7 +156,7 @@ def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[ja
     """
     parts = floating_parts(tree)
     totals = square_sums(parts)
-    finite = finite_flag(tree, axis_name)
+    finite = _finite(totals, axis_name)
     if not totals:
         return jnp.zeros([], jnp.float32), finite
     if axis_name is None:
@@ -183,7 +190,6 @@ def any_nan(tree: PyTree) -> jax.Array:
 
 def wide_dtype(dtype: Any) -> Any:
     """`dtype` if it has 32 bits or more, else float32: the precision to compute in."""
-    # jnp.finfo is ml_dtypes.finfo, which has no annotations (jax re-exports it).
     return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
 
 
