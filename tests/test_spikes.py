@@ -681,3 +681,77 @@ def test_a_state_without_windows_or_with_other_windows_is_refused():
         ),
     ):
         spiky.update(params, short.init(params), params)
+
+
+# --- 6. in the train steps users write ------------------------------------------------------
+
+
+def test_a_donated_nnx_step_with_bfloat16_params_skips_a_spike_and_keeps_every_bit():
+    from flax import nnx
+
+    class Model(nnx.Module):  # bfloat16 params, float32 gradients of a float32 loss
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 1, param_dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x).astype(jnp.float32)
+
+    model = Model(nnx.Rngs(0))
+    tx = jls.loss_scaled(
+        optax.adam(1e-2), jls.FixedLossScale(1.0), skip_grad_norm_above=50.0,
+        skip_spike_sigmas=3.0, spike_window=2,
+    )  # fmt: skip
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads, value=loss)
+        return loss
+
+    x = jnp.ones((8, 4))
+    for target in (1.0, 1.1, 1.0):
+        train_step(model, optimizer, x, jnp.full((8, 1), target))
+    before = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    train_step(model, optimizer, x, jnp.full((8, 1), 1000.0))  # a corrupt batch
+    stats = jls.get_loss_scale_stats(optimizer)
+    assert (int(stats.spike_skipped_steps), bool(stats.last_step_applied)) == (1, False)
+    assert float(stats.grad_norm) > 50.0
+    after = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    assert model.dense.kernel.dtype == jnp.bfloat16
+    # Params and adam's state keep every bit; the counters and nnx's call count move.
+    flat_before = dict(jax.tree_util.tree_leaves_with_path(before))
+    flat_after = dict(jax.tree_util.tree_leaves_with_path(after))
+    compared = []
+    for path, old in flat_before.items():
+        name = jax.tree_util.keystr(path)
+        if "stats" in name or "['step']" in name or "loss_scale_state" in name:
+            continue
+        assert old.tobytes() == flat_after[path].tobytes(), name
+        compared.append(name)
+    assert sum("kernel" in name for name in compared) == 3  # the param, adam's mu and nu
+    assert any("count" in name for name in compared)
+
+
+def test_a_donated_equinox_step_reports_the_norm_of_the_true_gradients():
+    import equinox as eqx
+
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(2.0**8), skip_spike_sigmas=3.0)
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    x = jnp.array([1.0, -2.0, 0.5])
+
+    def loss_fn(model):
+        return jnp.sum(model(x) ** 2)
+
+    @eqx.filter_jit(donate="all")
+    def train_step(model, opt_state):
+        scale = jls.get_loss_scale(opt_state)
+        grads = eqx.filter_grad(lambda m: loss_fn(m) * scale)(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state
+
+    true_grads = eqx.filter_grad(loss_fn)(model)
+    expected = norm64(eqx.filter(true_grads, eqx.is_inexact_array))
+    model, opt_state = train_step(model, opt_state)
+    np.testing.assert_allclose(jls.get_loss_scale_stats(opt_state).grad_norm, expected, rtol=1e-6)
