@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_lossscale as jls
-from benchmarks.run import _block_medians, _fresh_buffers, _params_and_grads
+from benchmarks.run import Runner, block_medians, params_and_grads
 
 SCALE = 2.0**15
 
@@ -128,22 +128,6 @@ def formulations(inner):
     }
 
 
-class _Runner:
-    def __init__(self, step, init, params, inputs):
-        self.params = _fresh_buffers(params)
-        self.state = init(self.params)
-        self.inputs = inputs
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.state, inputs)
-        self.step = compiled.compile()
-        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
-
-    def __call__(self) -> float:
-        start = time.perf_counter()
-        self.params, self.state = self.step(self.params, self.state, self.inputs)
-        jax.block_until_ready((self.params, self.state))
-        return time.perf_counter() - start
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.formulations")
     parser.add_argument("--platform", default=None, help="cpu, gpu or tpu; default: JAX's")
@@ -165,13 +149,13 @@ def main(argv=None):
     inner = {"adam": optax.adam, "sgd": optax.sgd}[args.optimizer](1e-3)
     if args.compile:
         return _compile_times(inner, args)
-    params, grads = _params_and_grads(args.params, args.leaves)
+    params, grads = params_and_grads(args.params, args.leaves)
     scaled = jax.tree.map(lambda g: g * SCALE, grads)
     runners = {
-        name: _Runner(step, init, params, scaled if scales else grads)
+        name: Runner(step, init, params, scaled if scales else grads)
         for name, (step, init, scales) in formulations(inner).items()
     }
-    medians, faults = _block_medians(runners, args.repeats, args.block)
+    medians, faults = block_medians(runners, args.repeats, args.block)
     bare = medians["bare"]
     print(f"{_title(args)}, {jax.devices()[0]}")
     print("formulation | median | ratio to bare | XLA temp memory | page faults per step")
@@ -184,7 +168,7 @@ def main(argv=None):
 
 
 def _compile_times(inner, args) -> dict[str, float]:
-    params, grads = _params_and_grads(args.params, args.leaves)
+    params, grads = params_and_grads(args.params, args.leaves)
     steps = formulations(inner)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):  # the formulations take turns

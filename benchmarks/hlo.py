@@ -72,8 +72,8 @@ def _compiled(step: Callable[..., Any], init: Callable[[Any], Any], params, *inp
 def counts_of_steps(size: int, leaves: int, gpt_size: str | None) -> dict[str, dict[str, Any]]:
     """Op counts of every benchmark step, keyed by `case / optimizer / loss scale`."""
     results: dict[str, dict[str, Any]] = {}
-    params, grads = run._params_and_grads(size, leaves)
-    mlp_params, batch = run._mlp(256, 4, 64)
+    params, grads = run.params_and_grads(size, leaves)
+    mlp_params, batch = run.mlp(256, 4, 64)
     for optimizer, make_inner in run.OPTIMIZERS.items():
         results[f"step / {optimizer} / bare"] = op_counts(
             _compiled(_optimizer_step(make_inner()), make_inner().init, params, grads)
@@ -86,7 +86,7 @@ def counts_of_steps(size: int, leaves: int, gpt_size: str | None) -> dict[str, d
             )
             contender = contenders.jax_lossscale(make_inner())
             if name == "DynamicLossScale":  # the benchmarks' own MLP step
-                mlp_step = functools.partial(run._mlp_train_step, contender.train_step)
+                mlp_step = functools.partial(run.mlp_train_step, contender.train_step)
                 results[f"mlp / {optimizer} / {name}"] = op_counts(
                     _compiled(mlp_step, contender.init, mlp_params, batch)
                 )
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--json", default=None, help="where to write the counts as JSON")
     args = parser.parse_args(argv)
     gpt_size = None if args.gpt_size == "none" else args.gpt_size
-    results = counts_of_steps(run._count(args.size), args.leaves, gpt_size)
+    results = counts_of_steps(run.parse_count(args.size), args.leaves, gpt_size)
     width = max(len(name) for name in results)
     header = " | ".join([*KINDS, "instructions", "temp_bytes"])
     print(f"{'step':<{width}} | {header}")

@@ -96,7 +96,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.cases = _split(args.cases, CASES)
     args.optimizers = _split(args.optimizers, tuple(OPTIMIZERS))
-    args.sizes = [_count(size) for size in args.sizes.split(",")]
+    args.sizes = [parse_count(size) for size in args.sizes.split(",")]
     args.leaves = [int(leaves) for leaves in args.leaves.split(",")]
     args.compile_leaves = [int(leaves) for leaves in args.compile_leaves.split(",")]
     args.gpt_sizes = [size.strip() for size in args.gpt_sizes.split(",") if size.strip()]
@@ -114,7 +114,7 @@ def _split(text: str, allowed: tuple[str, ...]) -> list[str]:
     return items
 
 
-def _count(text: str) -> int:
+def parse_count(text: str) -> int:
     text = text.strip().upper()
     multiplier = {"K": 10**3, "M": 10**6}.get(text[-1:], 1)
     return int(float(text.rstrip("KM")) * multiplier)
@@ -130,7 +130,7 @@ def run_step(args) -> list[dict]:
     for optimizer in args.optimizers:
         for size in args.sizes:
             for leaves in sorted(args.leaves):
-                params, grads = _params_and_grads(size, leaves)
+                params, grads = params_and_grads(size, leaves)
                 scaled = jax.tree.map(lambda g: g * contenders_module.LOSS_SCALE, grads)
                 runners, skipped = {}, {}
                 for contender in _contenders(optimizer):
@@ -139,10 +139,10 @@ def run_step(args) -> list[dict]:
                         skipped[contender.name] = f"compile would take ~{estimate:.0f} s"
                         continue
                     inputs = scaled if contender.scales_loss else grads
-                    runner = _Runner(contender.optimizer_step, contender.init, params, inputs)
+                    runner = Runner(contender.optimizer_step, contender.init, params, inputs)
                     budget.record(contender.name, leaves, runner.compile_seconds)
                     runners[contender.name] = runner
-                medians, faults = _block_medians(runners, args.repeats, args.block)
+                medians, faults = block_medians(runners, args.repeats, args.block)
                 row = _row(optimizer, size, leaves, medians, skipped=skipped)
                 rows.append({**row, "page_faults_per_step": faults})
                 del runners
@@ -153,12 +153,12 @@ def run_mlp(args) -> list[dict]:
     """A full float16 training step of an MLP with float32 master params."""
     rows = []
     for optimizer in args.optimizers:
-        params, batch = _mlp(args.mlp_width, args.mlp_depth, args.mlp_batch)
+        params, batch = mlp(args.mlp_width, args.mlp_depth, args.mlp_batch)
         runners = {}
         for contender in _contenders(optimizer):
-            step = functools.partial(_mlp_train_step, contender.train_step)
-            runners[contender.name] = _Runner(step, contender.init, params, batch)
-        medians, faults = _block_medians(runners, args.repeats, args.block)
+            step = functools.partial(mlp_train_step, contender.train_step)
+            runners[contender.name] = Runner(step, contender.init, params, batch)
+        medians, faults = block_medians(runners, args.repeats, args.block)
         size = sum(leaf.size for leaf in jax.tree.leaves(params))
         row = _row(optimizer, size, len(jax.tree.leaves(params)), medians)
         rows.append({**row, "page_faults_per_step": faults})
@@ -171,7 +171,7 @@ def run_compile(args) -> list[dict]:
     budget = _CompileBudget(args.compile_budget)
     for optimizer in args.optimizers:
         for leaves in sorted(args.compile_leaves):
-            params, grads = _params_and_grads(leaves * 64, leaves)
+            params, grads = params_and_grads(leaves * 64, leaves)
             times: dict[str, list[float]] = {}
             skipped = {}
             for _ in range(args.compile_repeats):
@@ -199,7 +199,7 @@ def run_memory(args) -> list[dict]:
     for optimizer in args.optimizers:
         for size in args.sizes:
             leaves = 64 if 64 in args.leaves else args.leaves[0]
-            params, grads = _params_and_grads(size, leaves)
+            params, grads = params_and_grads(size, leaves)
             temp = {}
             for contender in _contenders(optimizer):
                 state = jax.eval_shape(contender.init, params)
@@ -219,7 +219,7 @@ def run_traces(args) -> list[dict]:
     """How often each contender's jitted step is traced over 100 steps with overflows."""
     rows = []
     for optimizer in args.optimizers:
-        params, grads = _params_and_grads(4096, 16)
+        params, grads = params_and_grads(4096, 16)
         counts = {}
         for contender in _contenders(optimizer):
             count = [0]
@@ -264,7 +264,7 @@ def run_gpt(args) -> dict[str, list[dict]]:
         for contender, (step, state) in built.items():
             runners[contender] = _GptRunner(step, state, inputs, targets)
             temp[contender] = runners[contender].temp_bytes
-        medians, faults = _block_medians(runners, args.repeats, args.block)
+        medians, faults = block_medians(runners, args.repeats, args.block)
         params, leaves = gpt.parameter_count(built["bare"][1])
         row = functools.partial(_row, f"adamw, {name}", params, leaves)
         cases["gpt_step"].append({**row(medians), "page_faults_per_step": faults})
@@ -288,17 +288,18 @@ CASE_RUNNERS: dict[str, Callable[[argparse.Namespace], Any]] = {
 # --- measurement ----------------------------------------------------------------------------
 
 
-class _Runner:
+class Runner:
     """One contender's compiled step with its own donated params and state."""
 
     def __init__(self, step, init, params, inputs):
         self.inputs = inputs
-        self.params = _fresh_buffers(params)
+        self.params = fresh_buffers(params)
         self.state = init(self.params)
         start = time.perf_counter()
         jitted = jax.jit(step, donate_argnums=(0, 1))
         self.step = jitted.lower(self.params, self.state, inputs).compile()
         self.compile_seconds = time.perf_counter() - start
+        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
 
     def __call__(self) -> float:
         start = time.perf_counter()
@@ -350,11 +351,11 @@ class _CompileBudget:
         return estimate if estimate > self.seconds else None
 
 
-def _fresh_buffers(tree: Any) -> Any:
+def fresh_buffers(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def _block_medians(
+def block_medians(
     runners: dict[str, Any], repeats: int, block: int
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds per call, and page faults per call, timed block by block.
@@ -394,7 +395,7 @@ def _row(optimizer, size, leaves, values, *, unit="s", ratios=True, skipped=None
     return row
 
 
-def _params_and_grads(size: int, leaves: int) -> tuple[dict, dict]:
+def params_and_grads(size: int, leaves: int) -> tuple[dict, dict]:
     per_leaf = size // leaves
     keys = jax.random.split(jax.random.key(0), 2 * leaves)
     params = {
@@ -408,7 +409,7 @@ def _params_and_grads(size: int, leaves: int) -> tuple[dict, dict]:
     return params, grads
 
 
-def _mlp(width: int, depth: int, batch: int) -> tuple[dict, tuple]:
+def mlp(width: int, depth: int, batch: int) -> tuple[dict, tuple]:
     keys = jax.random.split(jax.random.key(1), depth + 2)
     params = {
         f"dense_{i}": {
@@ -422,11 +423,11 @@ def _mlp(width: int, depth: int, batch: int) -> tuple[dict, tuple]:
     return params, (x, y)
 
 
-def _mlp_train_step(train_step, params, state, batch):
-    return train_step(params, state, _mlp_loss, batch)
+def mlp_train_step(train_step, params, state, batch):
+    return train_step(params, state, mlp_loss, batch)
 
 
-def _mlp_loss(params: dict, batch: tuple) -> jax.Array:
+def mlp_loss(params: dict, batch: tuple) -> jax.Array:
     x, y = batch
     h = x.astype(jnp.float16)
     for index, layer in enumerate(params.values()):

@@ -1,7 +1,5 @@
 """Loss scaling for mixed-precision training in JAX."""
 
-from importlib import metadata as _metadata
-
 from jax_lossscale._base import LossScale as LossScale
 from jax_lossscale._diagnostics import count_non_finite as count_non_finite
 from jax_lossscale._diagnostics import non_finite_paths as non_finite_paths
@@ -9,18 +7,19 @@ from jax_lossscale._dynamic import DynamicLossScale as DynamicLossScale
 from jax_lossscale._dynamic import DynamicLossScaleState as DynamicLossScaleState
 from jax_lossscale._fixed import FixedLossScale as FixedLossScale
 from jax_lossscale._fixed import FixedLossScaleState as FixedLossScaleState
-from jax_lossscale._loss_scaled import LossScaledState as LossScaledState
-from jax_lossscale._loss_scaled import LossScaleStats as LossScaleStats
-from jax_lossscale._loss_scaled import get_loss_scale as get_loss_scale
-from jax_lossscale._loss_scaled import get_loss_scale_stats as get_loss_scale_stats
+from jax_lossscale._lookup import get_loss_scale as get_loss_scale
+from jax_lossscale._lookup import get_loss_scale_stats as get_loss_scale_stats
 from jax_lossscale._loss_scaled import loss_scaled as loss_scaled
+from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._serialization import deserialize as deserialize
 from jax_lossscale._serialization import get as get
 from jax_lossscale._serialization import register as register
 from jax_lossscale._serialization import serialize as serialize
-from jax_lossscale._tree import all_finite as all_finite
+from jax_lossscale._states import LossScaledState as LossScaledState
+from jax_lossscale._states import LossScaleStats as LossScaleStats
+from jax_lossscale._version import version as _version
 
-__version__: str = _metadata.version("jax_lossscale")
+__version__: str = _version()
 
 __all__ = [
     "DynamicLossScale",

@@ -1,21 +1,15 @@
-"""The `LossScale` protocol shared by every loss scale."""
+"""The `LossScale` protocol shared by every loss scale, and the checks of its contract."""
 
 import abc
-import functools
 import inspect
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
-from jax_lossscale._tree import (
-    AxisName,
-    PyTree,
-    check_array_leaves,
-    divide_floating,
-    multiply_floating,
-    safe_repr,
-)
+from jax_lossscale._checks import check_array_leaves, describe, describe_array, is_scalar_array
+from jax_lossscale._numerics import divide_floating, multiply_floating
+from jax_lossscale._types import AxisName, PyTree
 
 _Self = TypeVar("_Self", bound="LossScale")
 
@@ -86,15 +80,16 @@ class LossScale(abc.ABC):
         """Builds a loss scale from the dict returned by `get_config`."""
         if not isinstance(config, dict):
             raise TypeError(
-                f"{cls.__name__}.from_config(config={safe_repr(config)}): config must be a dict"
+                f"{cls.__name__}.from_config(config={describe(config, limit=None)}): "
+                "config must be a dict"
             )
         parameters = inspect.signature(cls).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             unknown = sorted(set(config) - set(parameters))
             if unknown:
                 raise ValueError(
-                    f"{cls.__name__}.from_config(config={safe_repr(config)}): unknown keys "
-                    f"{unknown}; expected some of {list(parameters)}"
+                    f"{cls.__name__}.from_config(config={describe(config, limit=None)}): "
+                    f"unknown keys {unknown}; expected some of {list(parameters)}"
                 )
             missing = [
                 name
@@ -105,8 +100,8 @@ class LossScale(abc.ABC):
             ]
             if missing:
                 raise TypeError(
-                    f"{cls.__name__}.from_config(config={safe_repr(config)}): missing the required "
-                    f"keys {missing}"
+                    f"{cls.__name__}.from_config(config={describe(config, limit=None)}): "
+                    f"missing the required keys {missing}"
                 )
         return cls(**config)
 
@@ -148,76 +143,40 @@ class LossScale(abc.ABC):
         return divide_floating(grads, self._checked_scale(state))
 
     def _checked_scale(self, state: PyTree) -> jax.Array:
+        """The scale `__call__` returns, once checked to be a float32 scalar array."""
         loss_scale = self(state)
         if not is_scalar_array(loss_scale, np.float32):
             raise TypeError(
                 f"{type(self).__name__}.__call__ must return a float32 scalar array, got "
-                f"{_describe(loss_scale)}"
+                f"{describe_array(loss_scale)}"
             )
         return loss_scale
 
 
-def is_scalar_array(value: Any, dtype: Any) -> bool:
-    """Whether `value` is a scalar array (or tracer) of exactly `dtype`."""
-    return (
-        isinstance(value, jax.Array | np.ndarray | np.generic)
-        and value.shape == ()
-        and value.dtype == dtype
+def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
+    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
+    where `get_loss_scale` reads it."""
+    try:
+        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
+    except AttributeError:
+        found = "none"
+    else:
+        if scale.shape == () and scale.dtype == np.float32:
+            return
+        found = f"dtype {scale.dtype} and shape {scale.shape}"
+    state_type = type(jax.eval_shape(loss_scale.init)).__name__
+    raise TypeError(
+        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
+        "its current scale as a float32 scalar loss_scale (a field or a property), where "
+        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
+        f"with loss_scale of {found}"
     )
 
 
-def check_state(owner: LossScale, state: Any, state_type: type[NamedTuple]) -> None:
-    """Raises unless `state` is a `state_type` of arrays like those `owner.init()` returns.
-
-    The check runs on shapes and dtypes only, so it passes for tracers at trace time.
-    """
-    name = type(owner).__name__
-    check_named_arrays(
-        state,
-        _state_template(owner),
-        where=name,
-        label="state",
-        source=f"{name}.init()",
-    )
-
-
-def check_named_arrays(
-    value: Any, template: NamedTuple, *, where: str, label: str, source: str
-) -> None:
-    """Raises unless `value` is a NamedTuple of the template's type, shapes and dtypes.
-
-    Weakly typed leaves are refused: a jitted step would trace again once they come
-    back strongly typed from an update.
-    """
-    expected_type = type(template)
-    if not isinstance(value, expected_type):
+def check_should_apply(loss_scale: LossScale, should_apply: Any, caller: str) -> None:
+    """Raises unless `update` returned `should_apply` as a bool scalar array."""
+    if not is_scalar_array(should_apply, np.bool_):
         raise TypeError(
-            f"{where}: {label} must be the {expected_type.__name__} returned by {source}, "
-            f"got {type(value).__name__}"
+            f"{caller}: {type(loss_scale).__name__}.update must return should_apply as a "
+            f"bool scalar array, got {describe(should_apply)}"
         )
-    for field, leaf, expected in zip(value._fields, value, template, strict=True):
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            raise TypeError(f"{where}: {label}.{field} must be an array, got {_describe(leaf)}")
-        if leaf.dtype != expected.dtype or getattr(leaf, "weak_type", False):
-            raise TypeError(
-                f"{where}: {label}.{field} must have dtype {expected.dtype} (not weakly typed), "
-                f"got {_describe(leaf)}; build states with {source}"
-            )
-        if leaf.shape != expected.shape:
-            raise ValueError(
-                f"{where}: {label}.{field} must have shape {expected.shape}, got shape "
-                f"{leaf.shape}; a state replicated for pmap has scalar leaves only inside "
-                "the pmapped function"
-            )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, jax.Array | np.ndarray | np.generic):
-        weak = ", weakly typed" if getattr(value, "weak_type", False) else ""
-        return f"{type(value).__name__} of dtype {value.dtype} and shape {value.shape}{weak}"
-    return f"{type(value).__name__} ({safe_repr(value)})"
-
-
-@functools.lru_cache(maxsize=128)
-def _state_template(owner: LossScale) -> Any:
-    return jax.eval_shape(owner.init)

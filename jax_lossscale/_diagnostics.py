@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._tree import PyTree, check_array_leaves, is_floating, safe_repr
+from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
+from jax_lossscale._numerics import is_floating
+from jax_lossscale._types import PyTree
 
 
 def count_non_finite(tree: PyTree) -> PyTree:
@@ -42,10 +44,7 @@ def _count_non_finite(tree: PyTree) -> PyTree:
     return jax.tree.map(count, tree)
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def saturating_count(flags: jax.Array, chunk: int = _INT32_MAX) -> jax.Array:
+def saturating_count(flags: jax.Array, chunk: int = INT32_MAX) -> jax.Array:
     """The number of true entries of `flags`, an int32 that stops at 2**31 - 1.
 
     An array of at most `chunk` (2**31 - 1) entries is counted at once in int32. A
@@ -58,7 +57,7 @@ def saturating_count(flags: jax.Array, chunk: int = _INT32_MAX) -> jax.Array:
     total = jnp.zeros([], jnp.uint32)
     for start in range(0, flags.size, chunk):
         part = flags[start : start + chunk].sum(dtype=jnp.uint32)
-        total = jnp.minimum(total + part, np.uint32(_INT32_MAX))
+        total = jnp.minimum(total + part, np.uint32(INT32_MAX))
     return total.astype(jnp.int32)
 
 
@@ -86,8 +85,8 @@ def non_finite_paths(counts: PyTree) -> dict[str, int]:
     for path, count in jax.tree_util.tree_flatten_with_path(jax.device_get(counts))[0]:
         if not np.issubdtype(np.asarray(count).dtype, np.integer):
             raise TypeError(
-                f"non_finite_paths: counts leaf at {jax.tree_util.keystr(path) or '<root>'} is "
-                f"{safe_repr(count)}; pass the tree returned by count_non_finite"
+                f"non_finite_paths: counts leaf at {path_name(path)} is "
+                f"{describe(count, limit=None)}; pass the tree returned by count_non_finite"
             )
         total = int(np.sum(count))
         if total:

@@ -9,15 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale import _validation
-from jax_lossscale._base import LossScale, check_state
-from jax_lossscale._tree import (
-    AxisName,
-    PyTree,
-    check_array_leaves,
-    check_axis_name,
-    finite_flag,
-)
+from jax_lossscale import _checks
+from jax_lossscale._base import LossScale
+from jax_lossscale._checks import check_array_leaves, check_axis_name, check_loss_scale_state
+from jax_lossscale._numerics import finite_flag
+from jax_lossscale._types import AxisName, PyTree
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -115,20 +111,20 @@ class DynamicLossScale(LossScale):
             if not (optional and value is None):
                 object.__setattr__(self, name, check("DynamicLossScale", name, value))
 
-        normalize("initial_loss_scale", _validation.positive_real)
-        normalize("increment_period", _validation.integer)
-        normalize("multiplier", _validation.real)
-        normalize("backoff_factor", _validation.real, optional=True)
-        normalize("min_loss_scale", _validation.positive_real)
-        normalize("max_loss_scale", _validation.positive_real, optional=True)
-        normalize("hysteresis", _validation.integer)
-        normalize("consecutive_hysteresis", _validation.boolean)
+        normalize("initial_loss_scale", _checks.positive_real)
+        normalize("increment_period", _checks.integer)
+        normalize("multiplier", _checks.real)
+        normalize("backoff_factor", _checks.real, optional=True)
+        normalize("min_loss_scale", _checks.positive_real)
+        normalize("max_loss_scale", _checks.positive_real, optional=True)
+        normalize("hysteresis", _checks.integer)
+        normalize("consecutive_hysteresis", _checks.boolean)
 
         def fail(name: str, requirement: str) -> NoReturn:
             used = getattr(self, name)
             if used != received[name]:
                 requirement += f" (it rounds to {used!r} in float32)"
-            _validation.fail("DynamicLossScale", name, received[name], requirement)
+            _checks.fail("DynamicLossScale", name, received[name], requirement)
 
         if self.multiplier <= 1:
             fail("multiplier", "> 1")
@@ -147,13 +143,13 @@ class DynamicLossScale(LossScale):
         )
 
     def __call__(self, state: DynamicLossScaleState) -> jax.Array:
-        check_state(self, state, DynamicLossScaleState)
+        check_loss_scale_state(self, state)
         return state.loss_scale
 
     def update(
         self, state: DynamicLossScaleState, grads: PyTree, axis_name: AxisName | None = None
     ) -> tuple[DynamicLossScaleState, jax.Array]:
-        check_state(self, state, DynamicLossScaleState)
+        check_loss_scale_state(self, state)
         check_array_leaves(grads, arg_name="grads", caller="DynamicLossScale.update")
         check_axis_name(axis_name, caller="DynamicLossScale.update")
         # jax.jit's wrapper returns Any.
@@ -200,7 +196,7 @@ class DynamicLossScale(LossScale):
 
     @property
     def _ceiling(self) -> float:
-        return _validation.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
+        return _checks.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
 
     def get_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

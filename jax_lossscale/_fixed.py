@@ -6,9 +6,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale import _validation
-from jax_lossscale._base import LossScale, check_state
-from jax_lossscale._tree import AxisName, PyTree, check_array_leaves, check_axis_name
+from jax_lossscale import _checks
+from jax_lossscale._base import LossScale
+from jax_lossscale._checks import check_array_leaves, check_axis_name, check_loss_scale_state
+from jax_lossscale._types import AxisName, PyTree
 
 
 class FixedLossScaleState(NamedTuple):
@@ -48,16 +49,16 @@ class FixedLossScale(LossScale):
     loss_scale_value: float
 
     def __post_init__(self) -> None:
-        value = _validation.real("FixedLossScale", "loss_scale_value", self.loss_scale_value)
+        value = _checks.real("FixedLossScale", "loss_scale_value", self.loss_scale_value)
         if value < 1:
-            _validation.fail("FixedLossScale", "loss_scale_value", self.loss_scale_value, ">= 1")
+            _checks.fail("FixedLossScale", "loss_scale_value", self.loss_scale_value, ">= 1")
         object.__setattr__(self, "loss_scale_value", value)
 
     def init(self) -> FixedLossScaleState:
         return FixedLossScaleState(loss_scale=jnp.asarray(self.loss_scale_value, jnp.float32))
 
     def __call__(self, state: FixedLossScaleState) -> jax.Array:
-        check_state(self, state, FixedLossScaleState)
+        check_loss_scale_state(self, state)
         return state.loss_scale
 
     def update(
@@ -68,7 +69,7 @@ class FixedLossScale(LossScale):
         A state made with another `loss_scale_value` (a run resumed with a changed
         setting) holds this one after the update.
         """
-        check_state(self, state, FixedLossScaleState)
+        check_loss_scale_state(self, state)
         check_array_leaves(grads, arg_name="grads", caller="FixedLossScale.update")
         check_axis_name(axis_name, caller="FixedLossScale.update")
         return self.init(), jnp.array(True)

@@ -5,9 +5,9 @@ import numbers
 from typing import Any, TypeVar, cast
 
 from jax_lossscale._base import LossScale
+from jax_lossscale._checks import describe
 from jax_lossscale._dynamic import DynamicLossScale
 from jax_lossscale._fixed import FixedLossScale
-from jax_lossscale._tree import safe_repr
 
 _LossScaleType = TypeVar("_LossScaleType", bound=type[LossScale])
 
@@ -57,14 +57,15 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
     """
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
-            f"serialize(loss_scale={safe_repr(loss_scale)}): loss_scale must be a LossScale "
-            "instance"
+            f"serialize(loss_scale={describe(loss_scale, limit=None)}): loss_scale must be a "
+            "LossScale instance"
         )
     name = type(loss_scale).__name__
     if _REGISTRY.get(name) is not type(loss_scale):
         raise ValueError(
-            f"serialize(loss_scale={safe_repr(loss_scale)}): {name} is not registered, so it "
-            "could not be deserialized; decorate the class with @jax_lossscale.register"
+            f"serialize(loss_scale={describe(loss_scale, limit=None)}): {name} is not "
+            "registered, so it could not be deserialized; decorate the class with "
+            "@jax_lossscale.register"
         )
     return {"class_name": name, "config": loss_scale.get_config()}
 
@@ -78,18 +79,21 @@ def deserialize(config: dict[str, Any]) -> LossScale:
       DynamicLossScale(initial_loss_scale=32768.0, increment_period=10, ...)
     """
     if not isinstance(config, dict):
-        raise TypeError(f"deserialize(config={safe_repr(config)}): config must be a dict")
+        raise TypeError(
+            f"deserialize(config={describe(config, limit=None)}): config must be a dict"
+        )
     if set(config) != {"class_name", "config"}:
         raise ValueError(
-            f"deserialize(config={safe_repr(config)}): config must have exactly the keys "
-            "'class_name' and 'config'"
+            f"deserialize(config={describe(config, limit=None)}): config must have exactly "
+            "the keys 'class_name' and 'config'"
         )
     name = config["class_name"]
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(
-            f"deserialize(config={safe_repr(config)}): unknown class_name {name!r}; known: "
-            f"{sorted(_REGISTRY)} (register a LossScale subclass with @jax_lossscale.register)"
+            f"deserialize(config={describe(config, limit=None)}): unknown class_name "
+            f"{name!r}; known: {sorted(_REGISTRY)} (register a LossScale subclass with "
+            "@jax_lossscale.register)"
         )
     return cls.from_config(config["config"])
 
@@ -118,8 +122,8 @@ def get(identifier: Any) -> LossScale | None:
     if isinstance(identifier, dict):
         return deserialize(identifier)
     raise ValueError(
-        f"get(identifier={safe_repr(identifier)}): identifier must be None, a number, 'dynamic', "
-        "a dict from serialize() or a LossScale"
+        f"get(identifier={describe(identifier, limit=None)}): identifier must be None, a "
+        "number, 'dynamic', a dict from serialize() or a LossScale"
     )
 
 

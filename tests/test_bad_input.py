@@ -665,7 +665,8 @@ for _id, _ls, _got in [
     ("none", None, "NoneType"),
     ("state", FIX_STATE, "FixedLossScaleState"),
 ]:
-    _value = repr(_ls) if len(repr(_ls)) <= 60 else repr(_ls)[:57] + "..."
+    _value = repr(_ls)
+    assert len(_value) <= 80  # shown whole
     add(
         f"loss_scaled-loss_scale={_id}",
         jls.loss_scaled,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale._loss_scaled import StepStats
+from jax_lossscale._states import StepStats
 
 STEPS = 16
 W_SHAPE = (16, 8)

@@ -1,6 +1,10 @@
 """The package's metadata: version, license, classifiers."""
 
+import importlib.util
 import pathlib
+import shutil
+import subprocess
+import sys
 import tomllib
 from importlib import metadata
 
@@ -31,3 +35,40 @@ def test_classifiers_name_the_python_versions_and_typing():
     assert "Typing :: Typed" in classifiers
     assert (ROOT / "jax_lossscale" / "py.typed").exists()
     assert PYPROJECT["project"]["requires-python"] == ">=3.11"
+
+
+def _source_tree(tmp_path, version):
+    """A copy of the package and of a pyproject.toml naming `version`, not installed."""
+    shutil.copytree(ROOT / "jax_lossscale", tmp_path / "jax_lossscale")
+    text = (ROOT / "pyproject.toml").read_text()
+    old = f'version = "{PYPROJECT["project"]["version"]}"'
+    assert old in text
+    (tmp_path / "pyproject.toml").write_text(text.replace(old, f'version = "{version}"', 1))
+    return tmp_path
+
+
+def test_version_of_a_source_tree_that_is_not_installed_comes_from_its_pyproject(tmp_path):
+    tree = _source_tree(tmp_path, "7.8.9")
+    code = "import jax_lossscale; print(jax_lossscale.__version__, jax_lossscale.__file__)"
+    printed = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tree,  # the copy comes first on sys.path; the installed one is another version
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    assert printed == ["7.8.9", str(tree / "jax_lossscale" / "__init__.py")]
+
+
+def test_version_without_a_pyproject_or_metadata_is_a_placeholder(tmp_path, monkeypatch):
+    shutil.copy(ROOT / "jax_lossscale" / "_version.py", tmp_path / "_version.py")
+    spec = importlib.util.spec_from_file_location("copied_version", tmp_path / "_version.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(module.metadata, "version", not_installed)
+    assert module.version() == "0+unknown"

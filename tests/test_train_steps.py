@@ -24,8 +24,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale._branches import holds_exactly
 from jax_lossscale._diagnostics import saturating_count
-from jax_lossscale._loss_scaled import _holds_exactly
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -433,7 +433,7 @@ def test_a_float8_state_widened_by_the_update_is_kept_exactly_on_a_skip(jit_or_e
     ],
 )
 def test_which_dtype_holds_another_exactly(dtype, other, holds):
-    assert _holds_exactly(dtype, other) is holds
+    assert holds_exactly(dtype, other) is holds
 
 
 def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale._tree import GROUP_SIZE, SMALL_PART, floating_parts
+from jax_lossscale._numerics import GROUP_SIZE, SMALL_PART, floating_parts
 
 N_DEVICES = 8
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
@@ -331,7 +331,7 @@ JOIN_SCRIPT = textwrap.dedent(
     import optax
 
     import jax_lossscale as jls
-    from jax_lossscale._tree import any_nan, finite_flag
+    from jax_lossscale._numerics import any_nan, finite_flag
 
     assert jax.device_count() == 1
     rng = np.random.default_rng(0)

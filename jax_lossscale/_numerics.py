@@ -1,4 +1,8 @@
-"""Pytree utilities: leaf checks, the finiteness test and per-leaf scaling."""
+"""The numerics: one pass of sums for the finite check and the norm, the NaN search, scaling.
+
+Every reduction over the gradients is formulated here; docs/design.md says why each
+takes the form it has.
+"""
 
 import functools
 from collections.abc import Callable
@@ -8,72 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PyTree = Any
-AxisName = Any  # a named axis of pmap / shard_map, or a tuple of them
-
-
-def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
-    """Raises `TypeError` when a leaf of `tree` is not an array of a numeric dtype.
-
-    `None` leaves are empty subtrees to JAX and never reach this check. Arrays of
-    `float0` (the tangent type of integer inputs) and of integer or boolean dtype
-    are allowed; callers ignore them.
-    """
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            raise TypeError(
-                f"{caller}: {arg_name} leaf at {_path_name(path)} has type {type(leaf).__name__} "
-                f"({short_repr(leaf)}); every leaf must be a JAX or NumPy array (or None)"
-            )
-        dtype = leaf.dtype
-        if dtype != jax.dtypes.float0 and not (
-            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
-        ):
-            raise TypeError(
-                f"{caller}: {arg_name} leaf at {_path_name(path)} has dtype {dtype}; "
-                "expected a numeric, boolean or float0 array"
-            )
-
-
-def check_axis_name(axis_name: Any, *, caller: str, require_bound: bool = True) -> None:
-    """Raises unless `axis_name` is None, a name, or a tuple of names bound where it is used.
-
-    A name is any hashable but an integer (JAX reads integers as positional axes).
-    It is bound inside `pmap`, `shard_map` or `vmap` over it; JAX's own error for an
-    unbound one does not say which argument was wrong.
-    """
-    if axis_name is None:
-        return
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not names or not all(_is_axis_name(name) for name in names):
-        raise TypeError(
-            f"{caller}: axis_name={axis_name!r} must be None, an axis name (a string or "
-            "other hashable, not an integer) or a tuple of axis names"
-        )
-    if len(set(names)) != len(names):
-        raise ValueError(
-            f"{caller}: axis_name={axis_name!r} names an axis more than once; each axis "
-            "may appear once"
-        )
-    if require_bound:
-        try:
-            jax.lax.axis_size(axis_name)
-        except NameError:
-            raise ValueError(
-                f"{caller}: axis_name={axis_name!r} is not bound here; call it inside "
-                "pmap, shard_map or vmap over that axis, or pass axis_name=None (under SPMD "
-                "jit none is needed)"
-            ) from None
-
-
-def _is_axis_name(name: Any) -> bool:
-    if isinstance(name, int | np.integer | tuple):
-        return False
-    try:
-        hash(name)
-    except TypeError:
-        return False
-    return True
+from jax_lossscale._checks import check_array_leaves, check_axis_name
+from jax_lossscale._types import AxisName, PyTree
 
 
 def is_floating(leaf: Any) -> bool:
@@ -267,22 +207,3 @@ def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> Py
         return fn(leaf, wide_dtype(leaf.dtype)).astype(leaf.dtype)
 
     return jax.tree.map(apply, tree)
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path) if path else "<root>"
-
-
-def safe_repr(value: Any) -> str:
-    """`repr(value)`, or a description where Python refuses to print it."""
-    try:
-        return repr(value)
-    except ValueError:  # it holds an int beyond Python's limit on digits for str()
-        if isinstance(value, int):
-            return f"<int of {value.bit_length()} bits>"
-        return f"<{type(value).__name__} too large to print>"
-
-
-def short_repr(value: Any, limit: int = 60) -> str:
-    text = safe_repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,175 @@
+"""Apply or skip: a `lax.cond` between the inner update and a skip that keeps every bit.
+
+The two branches of a `cond` must return the same types. The skip's updates take the
+types of the inner update's, and each inner-state leaf the dtype that holds its old
+and its new values exactly; both are read off the trace of the applied branch, so the
+inner update is traced once.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_lossscale._checks import path_name
+from jax_lossscale._types import PyTree
+
+
+def apply_or_skip(
+    apply: jax.Array,
+    inner_update: Callable[[], tuple[optax.Updates, optax.OptState]],
+    inner_state: optax.OptState,
+    nan_search: Callable[[], jax.Array],
+) -> tuple[optax.Updates, optax.OptState, jax.Array]:
+    """`(updates, inner_state, had_nan)` of `inner_update()` where `apply`, else of a skip.
+
+    A skip returns updates of -0.0, the additive identity of every float (so that
+    `optax.apply_updates` keeps the params' bits, signed zeros included), the inner
+    state as it was, and `nan_search()`, which runs on skipped steps only. An `apply`
+    known when tracing (a FixedLossScale's, or eager) takes its branch with no `cond`.
+    """
+    applied_types: tuple[PyTree, PyTree] | None = None
+
+    def applied() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+        nonlocal applied_types
+        new_updates, new_inner_state = inner_update()
+        applied_types = _branch_types(inner_state, new_updates, new_inner_state)
+        no_nan = jnp.zeros_like(jax.eval_shape(nan_search))
+        return new_updates, _as_types(new_inner_state, applied_types[1]), no_nan
+
+    def skipped() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+        # `cond` traces the applied branch first; alone (under jax.disable_jit) it is not.
+        updates_type, inner_state_type = applied_types or _branch_types(
+            inner_state, *jax.eval_shape(inner_update)
+        )
+        return (
+            jax.tree.map(_negative_zeros, updates_type),
+            _as_types(inner_state, inner_state_type),
+            nan_search(),
+        )
+
+    if isinstance(apply, jax.core.Tracer):
+        return cast(
+            tuple[optax.Updates, optax.OptState, jax.Array],
+            jax.lax.cond(apply, applied, skipped),
+        )
+    return applied() if apply else skipped()
+
+
+def _branch_types(
+    inner_state: PyTree, new_updates: PyTree, new_inner_state: PyTree
+) -> tuple[PyTree, PyTree]:
+    """The types of the updates, and those the inner state takes on both branches.
+
+    A skipped step returns the old inner state, the applied one the new: each leaf
+    takes the dtype that holds both exactly (bfloat16 moments that become float32
+    stay float32 on a skip). A weakly typed leaf (one made from a Python number)
+    takes the new leaf's dtype, as it would in any operation with it.
+    """
+    updates_type = jax.tree.map(_type_of, new_updates)
+    new_state_type = jax.tree.map(_type_of, new_inner_state)
+    return updates_type, jax.tree_util.tree_map_with_path(_joined_type, inner_state, new_state_type)
+
+
+def _type_of(value: Any) -> jax.ShapeDtypeStruct:
+    """The shape, dtype, weak type and varying manual axes of `value`, a tracer.
+
+    (`jax.ShapeDtypeStruct.like` first asks a tracer for its sharding, which takes far
+    longer than tracing.)
+    """
+    aval = jax.typeof(value)
+    if _manual_axes(aval) is None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(  # inside shard_map: the axes over which it varies
+        aval.shape,
+        aval.dtype,
+        sharding=aval.sharding,
+        weak_type=aval.weak_type,
+        manual_axis_type=aval.manual_axis_type,
+    )
+
+
+def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    old_type = jax.typeof(old)
+    if old_type.weak_type:  # it takes the dtype the update gives it, as JAX's promotion does
+        return new
+    if old_type.dtype == new.dtype:  # (ShapeDtypeStruct.update has no annotations)
+        return cast(jax.ShapeDtypeStruct, new.update(weak_type=False))
+    candidates = [new.dtype, old_type.dtype]
+    with contextlib.suppress(jax.dtypes.TypePromotionError):  # as between 8-bit floats
+        candidates.append(jnp.promote_types(old_type.dtype, new.dtype))
+    candidates.append(jnp.dtype(jnp.float32))
+    for dtype in candidates:
+        if holds_exactly(dtype, old_type.dtype) and holds_exactly(dtype, new.dtype):
+            return cast(jax.ShapeDtypeStruct, new.update(dtype=dtype, weak_type=False))
+    raise TypeError(
+        f"loss_scaled.update: inner.update turns the state leaf at {path_name(path)} from "
+        f"{old_type.dtype} into {new.dtype}, and no dtype holds the values of both exactly, "
+        "so a skipped step could not keep it"
+    )
+
+
+def holds_exactly(dtype: Any, other: Any) -> bool:
+    """Whether every value of dtype `other` is a value of `dtype`."""
+    dtype, other = jnp.dtype(dtype), jnp.dtype(other)
+    if dtype == other or other == jnp.bool_:
+        return True
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return bool(np.can_cast(other, dtype, casting="safe"))
+    # jnp.finfo and jnp.iinfo are ml_dtypes' classes, which have no annotations.
+    wide = jnp.finfo(dtype)
+    if jnp.issubdtype(other, jnp.integer):
+        limits = jnp.iinfo(other)
+        return max(-int(limits.min), int(limits.max)).bit_length() <= wide.nmant + 1
+    if not jnp.issubdtype(other, jnp.floating):
+        return False
+    narrow = jnp.finfo(other)
+    return (
+        wide.nmant >= narrow.nmant
+        and wide.maxexp >= narrow.maxexp
+        and wide.minexp - wide.nmant <= narrow.minexp - narrow.nmant  # the smallest subnormal
+        and (_has_infinity(dtype) or not _has_infinity(other))
+    )
+
+
+def _has_infinity(dtype: Any) -> bool:
+    return bool(np.isinf(np.array(np.inf).astype(dtype)))
+
+
+def _as_types(tree: PyTree, types: PyTree) -> PyTree:
+    return jax.tree.map(_as_type, tree, types)
+
+
+def _as_type(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """`value` with the dtype, weak type and varying manual axes of `target`.
+
+    A state that comes in replicated comes out of the inner update varying when the
+    gradients vary per device (under `shard_map`); both branches must agree on that.
+    """
+    value_type = jax.typeof(value)
+    if value_type.dtype != target.dtype or value_type.weak_type != target.weak_type:
+        value = jax.lax.convert_element_type(value, target.dtype)
+    if _manual_axes(value_type) != _manual_axes(target):
+        value = jnp.where(jnp.full_like(target, True, dtype=jnp.bool_), value, value)
+    return value
+
+
+def _manual_axes(value_type: Any) -> Any:
+    """The `shard_map` axes over which a value varies, None for none."""
+    manual_axes = getattr(value_type, "manual_axis_type", None)
+    return None if manual_axes is None or manual_axes.empty else manual_axes
+
+
+def _negative_zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    # -0.0 is the additive identity for every float, +0.0 and -0.0 included.
+    if jnp.issubdtype(shape.dtype, jnp.complexfloating):
+        fill = complex(-0.0, -0.0)
+    elif jnp.issubdtype(shape.dtype, jnp.floating):
+        fill = -0.0
+    else:
+        fill = 0
+    return jnp.full_like(shape, fill)  # like the update: dtype, shape and varying manual axes

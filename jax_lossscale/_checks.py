@@ -1,0 +1,240 @@
+"""Every check of what callers pass in, and the messages that name what was wrong.
+
+Hyperparameters are checked once, when a loss scale or a wrapper is constructed. Each
+check returns the value as a plain Python `float`, `int` or `bool`, so that loss-scale
+objects compare, hash and serialize the same however a number was written (`2**15`,
+`32768.0`, `np.float32(32768)`). Real numbers are rounded to float32, the precision the
+state computes in, so that the checks and the config see the very values the update rule
+uses. Trees, axis names and states are checked where they are used, on shapes and dtypes
+only, so that the checks pass for tracers.
+"""
+
+import functools
+import math
+import numbers
+from typing import Any, NamedTuple, NoReturn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._types import PyTree
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+# --- messages -----------------------------------------------------------------------------
+
+
+def describe(value: Any, limit: int | None = 80) -> str:
+    """`repr(value)` for a message: shortened in the middle when longer than `limit`
+    characters (None: never), and described where Python refuses to print it."""
+    try:
+        text = repr(value)
+    except ValueError:  # it holds an int beyond Python's limit on digits for str()
+        if isinstance(value, int):
+            return f"<int of {value.bit_length()} bits>"
+        return f"<{type(value).__name__} too large to print>"
+    if limit is None or len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-(limit // 4) :]}"
+
+
+def describe_array(value: Any) -> str:
+    """What an array is (type, dtype, shape, weak type), or what a non-array is."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        weak = ", weakly typed" if getattr(value, "weak_type", False) else ""
+        return f"{type(value).__name__} of dtype {value.dtype} and shape {value.shape}{weak}"
+    return f"{type(value).__name__} ({describe(value)})"
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """A pytree path as `jax.tree_util.keystr` writes it, `<root>` for the root itself."""
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def fail(
+    owner: str, name: str, value: Any, requirement: str, error: type[Exception] = ValueError
+) -> NoReturn:
+    """Raises `error` with a message that names the argument and the value received."""
+    raise error(f"{owner}({name}={describe(value)}): {name} must be {requirement}")
+
+
+# --- hyperparameters ----------------------------------------------------------------------
+
+
+def real(owner: str, name: str, value: Any) -> float:
+    """A finite real number that float32 can hold, rounded to float32."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(owner, name, value, "a real number", TypeError)
+    try:
+        number = float(value)
+    except OverflowError:  # an int or Fraction beyond every float
+        fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
+    if not math.isfinite(number):
+        fail(owner, name, value, "finite")
+    if abs(number) > FLOAT32_MAX:
+        fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
+    return float(np.float32(number))
+
+
+def positive_real(owner: str, name: str, value: Any) -> float:
+    """A real number > 0 and not subnormal in float32: XLA on CPU flushes subnormals to zero."""
+    number = real(owner, name, value)
+    if number <= 0:
+        fail(owner, name, value, "> 0")
+    if number < FLOAT32_SMALLEST_NORMAL:
+        fail(owner, name, value, f">= the smallest normal float32 ({FLOAT32_SMALLEST_NORMAL!r})")
+    return number
+
+
+def optional_positive_real(owner: str, name: str, value: Any) -> float | None:
+    """None, or a real number > 0 rounded to float32."""
+    if value is None:
+        return None
+    number = real(owner, name, value)
+    if number <= 0:
+        fail(owner, name, value, "None or a positive finite number")
+    return number
+
+
+def integer(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    """An integer in [minimum, 2**31 - 1], the range of the int32 counters in a state."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(owner, name, value, f"an integer >= {minimum}", TypeError)
+    number = int(value)
+    if not minimum <= number <= INT32_MAX:
+        fail(owner, name, value, f"an integer >= {minimum} and <= {INT32_MAX}")
+    return number
+
+
+def boolean(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        fail(owner, name, value, "a bool", TypeError)
+    return bool(value)
+
+
+# --- trees and axis names -----------------------------------------------------------------
+
+
+def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
+    """Raises `TypeError` when a leaf of `tree` is not an array of a numeric dtype.
+
+    `None` leaves are empty subtrees to JAX and never reach this check. Arrays of
+    `float0` (the tangent type of integer inputs) and of integer or boolean dtype
+    are allowed; callers ignore them.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"{caller}: {arg_name} leaf at {path_name(path)} has type {type(leaf).__name__} "
+                f"({describe(leaf)}); every leaf must be a JAX or NumPy array (or None)"
+            )
+        dtype = leaf.dtype
+        if dtype != jax.dtypes.float0 and not (
+            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            raise TypeError(
+                f"{caller}: {arg_name} leaf at {path_name(path)} has dtype {dtype}; "
+                "expected a numeric, boolean or float0 array"
+            )
+
+
+def check_axis_name(axis_name: Any, *, caller: str, require_bound: bool = True) -> None:
+    """Raises unless `axis_name` is None, a name, or a tuple of names bound where it is used.
+
+    A name is any hashable but an integer (JAX reads integers as positional axes).
+    It is bound inside `pmap`, `shard_map` or `vmap` over it; JAX's own error for an
+    unbound one does not say which argument was wrong.
+    """
+    if axis_name is None:
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(_is_axis_name(name) for name in names):
+        raise TypeError(
+            f"{caller}: axis_name={axis_name!r} must be None, an axis name (a string or "
+            "other hashable, not an integer) or a tuple of axis names"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"{caller}: axis_name={axis_name!r} names an axis more than once; each axis "
+            "may appear once"
+        )
+    if require_bound:
+        try:
+            jax.lax.axis_size(axis_name)
+        except NameError:
+            raise ValueError(
+                f"{caller}: axis_name={axis_name!r} is not bound here; call it inside "
+                "pmap, shard_map or vmap over that axis, or pass axis_name=None (under SPMD "
+                "jit none is needed)"
+            ) from None
+
+
+def _is_axis_name(name: Any) -> bool:
+    if isinstance(name, int | np.integer | tuple):
+        return False
+    try:
+        hash(name)
+    except TypeError:
+        return False
+    return True
+
+
+# --- states -------------------------------------------------------------------------------
+
+
+def is_scalar_array(value: Any, dtype: Any) -> bool:
+    """Whether `value` is a scalar array (or tracer) of exactly `dtype`."""
+    return (
+        isinstance(value, jax.Array | np.ndarray | np.generic)
+        and value.shape == ()
+        and value.dtype == dtype
+    )
+
+
+def check_named_arrays(
+    value: Any, template: NamedTuple, *, where: str, label: str, source: str
+) -> None:
+    """Raises unless `value` is a NamedTuple of the template's type, shapes and dtypes.
+
+    Weakly typed leaves are refused: a jitted step would trace again once they come
+    back strongly typed from an update.
+    """
+    expected_type = type(template)
+    if not isinstance(value, expected_type):
+        raise TypeError(
+            f"{where}: {label} must be the {expected_type.__name__} returned by {source}, "
+            f"got {type(value).__name__}"
+        )
+    for field, leaf, expected in zip(value._fields, value, template, strict=True):
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"{where}: {label}.{field} must be an array, got {describe_array(leaf)}"
+            )
+        if leaf.dtype != expected.dtype or getattr(leaf, "weak_type", False):
+            raise TypeError(
+                f"{where}: {label}.{field} must have dtype {expected.dtype} (not weakly typed), "
+                f"got {describe_array(leaf)}; build states with {source}"
+            )
+        if leaf.shape != expected.shape:
+            raise ValueError(
+                f"{where}: {label}.{field} must have shape {expected.shape}, got shape "
+                f"{leaf.shape}; a state replicated for pmap has scalar leaves only inside "
+                "the pmapped function"
+            )
+
+
+def check_loss_scale_state(loss_scale: Any, state: Any) -> None:
+    """Raises unless `state` is a NamedTuple of arrays like those `loss_scale.init()` returns."""
+    name = type(loss_scale).__name__
+    check_named_arrays(
+        state, _initial_state_type(loss_scale), where=name, label="state", source=f"{name}.init()"
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _initial_state_type(loss_scale: Any) -> Any:
+    return jax.eval_shape(loss_scale.init)

@@ -1,0 +1,169 @@
+"""Spike skipping: when a finite step is a spike, and the windows of recent values it reads."""
+
+import dataclasses
+import functools
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale import _checks
+from jax_lossscale._checks import check_named_arrays, describe
+
+
+class RecentValues(NamedTuple):
+    """The last values of a signal (the gradient norm or the loss) on applied steps."""
+
+    values: jax.Array  # float32[spike_window]: a ring, the oldest value overwritten first
+    filled: jax.Array  # int32: how many of `values` hold a value, up to spike_window
+    next_index: jax.Array  # int32: where the next value goes
+
+
+class SpikeWindows(NamedTuple):
+    """The windows `loss_scaled(..., skip_spike_sigmas=...)` tests spikes against."""
+
+    grad_norm: RecentValues
+    loss: RecentValues  # filled only by steps given `value=`
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeRule:
+    """`loss_scaled`'s spike options, checked: when a finite step is a spike.
+
+    A finite step is a spike when its gradient norm is above `norm_above`, or, with
+    `sigmas`, when its gradient norm (or the loss given as `value=`) is not finite, or
+    the window of the last `window` applied steps is full and the value is above its
+    mean plus `sigmas` standard deviations (the population's).
+    """
+
+    norm_above: float | None = None
+    sigmas: float | None = None
+    window: int = 128
+
+    def __post_init__(self) -> None:
+        owner = "loss_scaled"
+        above = _checks.optional_positive_real(owner, "skip_grad_norm_above", self.norm_above)
+        sigmas = _checks.optional_positive_real(owner, "skip_spike_sigmas", self.sigmas)
+        window = _checks.integer(owner, "spike_window", self.window, minimum=2)
+        object.__setattr__(self, "norm_above", above)
+        object.__setattr__(self, "sigmas", sigmas)
+        object.__setattr__(self, "window", window)
+
+    @property
+    def keeps_windows(self) -> bool:
+        return self.sigmas is not None
+
+    def init(self) -> SpikeWindows | None:
+        """Empty windows, or None when the rule reads none."""
+        if not self.keeps_windows:
+            return None
+
+        def empty() -> RecentValues:
+            return RecentValues(
+                values=jnp.zeros([self.window], jnp.float32),
+                filled=jnp.zeros([], jnp.int32),
+                next_index=jnp.zeros([], jnp.int32),
+            )
+
+        return SpikeWindows(grad_norm=empty(), loss=empty())
+
+    def loss(self, value: Any) -> jax.Array | None:
+        """The `value=` extra argument as a float32 scalar, when the rule reads it."""
+        if value is None or not self.keeps_windows:
+            return None
+        if isinstance(value, jax.Array | np.ndarray | np.generic):
+            real = value.shape == () and (
+                jnp.issubdtype(value.dtype, jnp.floating)
+                or jnp.issubdtype(value.dtype, jnp.integer)
+            )
+        else:
+            real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not real:
+            raise TypeError(
+                "loss_scaled.update: value must be the step's loss, a real scalar (a Python "
+                f"number or an array of shape ()), got {describe(value)}"
+            )
+        return jnp.asarray(value).astype(jnp.float32)
+
+    def is_spike(
+        self, grad_norm: jax.Array, loss: jax.Array | None, windows: SpikeWindows | None
+    ) -> jax.Array | None:
+        """Whether the step is a spike, or None when the rule has no test (no options set)."""
+        spikes = []
+        if self.norm_above is not None:
+            spikes.append(grad_norm > np.float32(self.norm_above))
+        if windows is not None and self.sigmas is not None:
+            spikes.append(_beyond(grad_norm, windows.grad_norm, self.sigmas))
+            if loss is not None:
+                spikes.append(_beyond(loss, windows.loss, self.sigmas))
+        return functools.reduce(jnp.logical_or, spikes) if spikes else None
+
+    def record(
+        self,
+        windows: SpikeWindows | None,
+        grad_norm: jax.Array,
+        loss: jax.Array | None,
+        applied: jax.Array,
+    ) -> SpikeWindows | None:
+        """`windows` with this step's values written in, if it was applied."""
+        if windows is None:
+            return None
+        return SpikeWindows(
+            grad_norm=_recorded(windows.grad_norm, grad_norm, applied),
+            loss=windows.loss if loss is None else _recorded(windows.loss, loss, applied),
+        )
+
+    def check_windows(self, windows: Any, where: str) -> None:
+        """Raises unless `windows` is what `init` makes: the state given back to `update`."""
+        if not self.keeps_windows:
+            if windows is not None:
+                raise TypeError(
+                    f"{where}: state.spike_windows holds spike windows, but this loss_scaled has "
+                    "skip_spike_sigmas=None; pass the state returned by this transformation's "
+                    "init()"
+                )
+            return
+        if not isinstance(windows, SpikeWindows):
+            raise TypeError(
+                f"{where}: state.spike_windows must be the SpikeWindows that init() makes when "
+                f"skip_spike_sigmas is set, got {describe(windows)}"
+            )
+        template = jax.eval_shape(self.init)
+        for name in SpikeWindows._fields:
+            window = getattr(windows, name)
+            values: Any = getattr(window, "values", None)
+            if getattr(values, "shape", (self.window,)) != (self.window,):
+                raise ValueError(
+                    f"{where}: state.spike_windows.{name}.values has shape {values.shape}, but "
+                    f"this loss_scaled has spike_window={self.window}; pass the state returned "
+                    "by this transformation's init()"
+                )
+            check_named_arrays(
+                window,
+                getattr(template, name),
+                where=where,
+                label=f"state.spike_windows.{name}",
+                source="init()",
+            )
+
+
+def _beyond(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:
+    """Whether `value` is not finite, or above the mean of a full `window` plus `sigmas`
+    standard deviations. A value that is not finite never enters a window, where it
+    would make every later value a spike."""
+    mean = jnp.mean(window.values)
+    std = jnp.sqrt(jnp.mean(jnp.square(window.values - mean)))
+    full = window.filled >= window.values.shape[0]
+    return ~jnp.isfinite(value) | (full & (value > mean + np.float32(sigmas) * std))
+
+
+def _recorded(window: RecentValues, value: jax.Array, applied: jax.Array) -> RecentValues:
+    """`window` with `value` written at its next index if the step was applied."""
+    size = window.values.shape[0]
+    return RecentValues(
+        values=jnp.where(applied, window.values.at[window.next_index].set(value), window.values),
+        filled=jnp.where(applied, jnp.minimum(window.filled + 1, size), window.filled),
+        next_index=jnp.where(applied, (window.next_index + 1) % size, window.next_index),
+    )

@@ -1,0 +1,221 @@
+"""The state of `loss_scaled`, the stats it counts, and the checks of a state given back."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_lossscale._checks import INT32_MAX, check_named_arrays
+from jax_lossscale._spikes import SpikeRule, SpikeWindows
+from jax_lossscale._types import PyTree
+
+
+class StepStats(NamedTuple):
+    """What `loss_scaled` keeps in its state about the steps taken so far.
+
+    `get_loss_scale_stats` returns these fields with the current scale in front,
+    as a `LossScaleStats`.
+    """
+
+    grad_norm: jax.Array  # float32: the last step's unscaled gradients' global L2 norm
+    skipped_steps: jax.Array  # int32: steps skipped so far
+    nan_skipped_steps: jax.Array  # int32: of those, steps whose gradients held a NaN
+    inf_skipped_steps: jax.Array  # int32: ... held +-inf but no NaN
+    spike_skipped_steps: jax.Array  # int32: ... were finite but a spike
+    consecutive_skipped_steps: jax.Array  # int32: skips since the last applied step
+    last_step_applied: jax.Array  # bool: true before the first step
+
+
+class LossScaleStats(NamedTuple):
+    """What `loss_scaled` records for logging; read it with `get_loss_scale_stats`.
+
+    `grad_norm` is the global L2 norm of the last step's unscaled gradients (0 before
+    the first step; NaN when they were not finite), from the pass that checks them.
+    The counters saturate at 2**31 - 1. A skipped step counts as a NaN skip when its
+    gradients held a NaN, as an inf skip when they held +-inf (before or after
+    unscaling) and no NaN, as a spike skip when they were finite but `grad_norm` or
+    the loss was a spike (see `loss_scaled`), and as none of these when a custom
+    `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
+    growing is stuck, typically at the minimum scale.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=8.0))
+      >>> opt_state = tx.init({"w": jnp.zeros(2)})
+      >>> jls.get_loss_scale_stats(opt_state)
+      LossScaleStats(loss_scale=Array(8., dtype=float32),
+                     grad_norm=Array(0., dtype=float32),
+                     skipped_steps=Array(0, dtype=int32),
+                     nan_skipped_steps=Array(0, dtype=int32),
+                     inf_skipped_steps=Array(0, dtype=int32),
+                     spike_skipped_steps=Array(0, dtype=int32),
+                     consecutive_skipped_steps=Array(0, dtype=int32),
+                     last_step_applied=Array(True, dtype=bool))
+    """
+
+    loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
+    grad_norm: jax.Array
+    skipped_steps: jax.Array
+    nan_skipped_steps: jax.Array
+    inf_skipped_steps: jax.Array
+    spike_skipped_steps: jax.Array
+    consecutive_skipped_steps: jax.Array
+    last_step_applied: jax.Array
+
+
+class LossScaledState(NamedTuple):
+    """State of a `loss_scaled` transformation.
+
+    The scale lives in `loss_scale_state` alone, as its `loss_scale`; `stats`
+    holds what the wrapper counts; `spike_windows` the windows of spike skipping,
+    None unless `skip_spike_sigmas` is set.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(4.0))
+      >>> tx.init({"w": jnp.zeros(2)})
+      LossScaledState(inner_state=(EmptyState(), EmptyState()),
+                      loss_scale_state=FixedLossScaleState(loss_scale=Array(4., dtype=float32)),
+                      stats=StepStats(grad_norm=Array(0., dtype=float32),
+                                      skipped_steps=Array(0, dtype=int32),
+                                      nan_skipped_steps=Array(0, dtype=int32),
+                                      inf_skipped_steps=Array(0, dtype=int32),
+                                      spike_skipped_steps=Array(0, dtype=int32),
+                                      consecutive_skipped_steps=Array(0, dtype=int32),
+                                      last_step_applied=Array(True, dtype=bool)),
+                      spike_windows=None)
+    """
+
+    inner_state: optax.OptState
+    loss_scale_state: PyTree
+    stats: StepStats
+    spike_windows: SpikeWindows | None = None
+
+
+def initial_stats() -> StepStats:
+    return StepStats(
+        grad_norm=jnp.zeros([], jnp.float32),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        nan_skipped_steps=jnp.zeros([], jnp.int32),
+        inf_skipped_steps=jnp.zeros([], jnp.int32),
+        spike_skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skipped_steps=jnp.zeros([], jnp.int32),
+        last_step_applied=jnp.ones([], jnp.bool_),
+    )
+
+
+def next_stats(
+    old: StepStats,
+    *,
+    grad_norm: jax.Array,
+    applied: jax.Array,
+    spike: jax.Array,
+    had_nan: jax.Array,
+    grads_finite: jax.Array,
+) -> StepStats:
+    """The stats after a step: a skip is a NaN skip, else an inf skip, else a spike skip
+    (or none of these, when a custom LossScale skipped finite gradients)."""
+    skipped = jnp.logical_not(applied)
+    return StepStats(
+        grad_norm=grad_norm,
+        skipped_steps=_saturating_increment(old.skipped_steps, skipped),
+        nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & had_nan),
+        inf_skipped_steps=_saturating_increment(
+            old.inf_skipped_steps, skipped & ~had_nan & ~grads_finite
+        ),
+        spike_skipped_steps=_saturating_increment(old.spike_skipped_steps, spike),
+        consecutive_skipped_steps=jnp.where(
+            applied, 0, _saturating_increment(old.consecutive_skipped_steps, skipped)
+        ),
+        last_step_applied=applied,
+    )
+
+
+def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:
+    return count + (increment & (count < INT32_MAX)).astype(jnp.int32)
+
+
+def _scalar_type(dtype: Any) -> jax.Array:
+    """A scalar `jax.ShapeDtypeStruct`, typed as the array it stands for in a template."""
+    return cast(jax.Array, jax.ShapeDtypeStruct((), dtype))
+
+
+_COUNT = _scalar_type(jnp.int32)
+_STATS_TEMPLATE = StepStats(
+    grad_norm=_scalar_type(jnp.float32),
+    skipped_steps=_COUNT,
+    nan_skipped_steps=_COUNT,
+    inf_skipped_steps=_COUNT,
+    spike_skipped_steps=_COUNT,
+    consecutive_skipped_steps=_COUNT,
+    last_step_applied=_scalar_type(jnp.bool_),
+)
+
+
+def check_state(state: Any, spike_rule: SpikeRule) -> None:
+    """Raises unless `state` is a `LossScaledState` that this `loss_scaled` can update.
+
+    The inner state is checked by `inner.update` itself; `explaining_failures` says
+    when it failed because the state was not `inner`'s.
+    """
+    where = "loss_scaled.update"
+    if not isinstance(state, LossScaledState):
+        raise TypeError(
+            f"{where}: state must be the LossScaledState returned by init(), "
+            f"got {type(state).__name__}"
+        )
+    check_named_arrays(
+        state.stats, _STATS_TEMPLATE, where=where, label="state.stats", source="init()"
+    )
+    spike_rule.check_windows(state.spike_windows, where)
+
+
+@contextlib.contextmanager
+def explaining_failures(
+    inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
+) -> Iterator[None]:
+    """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s."""
+    try:
+        yield
+    except Exception as error:
+        mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
+        if mismatch is None:
+            raise
+        raise TypeError(mismatch) from error
+
+
+def _inner_state_mismatch(
+    inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
+) -> str | None:
+    """Why `inner.update` refused `inner_state`, if it is not what `inner.init` makes.
+
+    Called only once `inner.update` has failed, so it never refuses what `inner`
+    accepts. Params that `inner.init` was not given (an equinox model where the state
+    was initialised on its filtered arrays) are tried as the gradients' structure too.
+    """
+    # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `==` type-checks.
+    actual: jax.tree_util.PyTreeDef = jax.tree.structure(inner_state)
+    expected = None
+    for argument in init_arguments:
+        if argument is None:
+            continue
+        try:
+            expected = jax.tree.structure(jax.eval_shape(inner.init, argument))
+        except Exception:
+            continue
+        if expected == actual:
+            return None
+    if expected is None:
+        return None
+    return (
+        f"loss_scaled.update: state.inner_state has the structure {actual}, but "
+        f"inner.init(params) gives {expected}; pass the state returned by this "
+        "transformation's init()"
+    )
