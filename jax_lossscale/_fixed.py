@@ -29,7 +29,10 @@ class FixedLossScale(LossScale):
     """A loss scale that stays at `loss_scale_value` for ever.
 
     `update` never skips a step: a fixed scale cannot react to an overflow, so
-    non-finite gradients are passed on (as TensorFlow's `FixedLossScale` does).
+    non-finite gradients are applied, NaN and inf included, as TensorFlow's
+    `FixedLossScale` does. To skip them at a constant scale, use a `DynamicLossScale`
+    that cannot move (`initial_loss_scale=max_loss_scale=min_loss_scale`), or give
+    `loss_scaled` a spike option, under which every loss scale skips non-finite steps.
 
     Args:
       loss_scale_value: the scale, a real number >= 1.

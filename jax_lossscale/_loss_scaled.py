@@ -36,17 +36,21 @@ def loss_scaled(
     Each `update` receives the gradients of the loss multiplied by the current scale
     (`get_loss_scale(opt_state)`). It divides them by that scale, checks that they are
     finite (every device of `axis_name` agreeing) and advances the loss scale
-    (`loss_scale.update`). A finite step goes to `inner.update`; a step that is not
-    finite, or is a spike, is skipped: its updates are negative zeros, which leave the
-    params as they were, bit for bit, and the inner state is returned as it was, so
-    schedules inside `inner` do not advance. Put everything that should see the true
-    gradients, gradient clipping and `optax.MultiSteps` included, inside `inner`.
+    (`loss_scale.update`). A step the loss scale applies goes to `inner.update`; one it
+    does not (a `DynamicLossScale`'s overflow), or a spike, is skipped: its updates are
+    negative zeros, which leave the params as they were, bit for bit, and the inner
+    state is returned as it was, so schedules inside `inner` do not advance. Put
+    everything that should see the true gradients, gradient clipping and
+    `optax.MultiSteps` included, inside `inner`.
 
-    A finite step is a spike when its `grad_norm` (the gradients' global L2 norm, from
-    the pass that checks them) is above `skip_grad_norm_above`, or, with
-    `skip_spike_sigmas`, when it (or the loss passed as `update(..., value=loss)`) is
-    not finite or is that many standard deviations above the mean of the last
-    `spike_window` applied steps'. The loss scale sees a spike as the finite step it is.
+    A `FixedLossScale` applies every step, non-finite ones included, as TensorFlow's
+    does, unless a spike option is set: then a non-finite step is skipped under every
+    loss scale. A finite step is a spike when its `grad_norm` (the gradients' global L2
+    norm, from the pass that checks them) is above `skip_grad_norm_above`, or, with
+    `skip_spike_sigmas`, when it (or the true, unscaled loss passed as
+    `update(..., value=loss)`) is not finite or is that many standard deviations above
+    the mean of the last `spike_window` applied steps'. The loss scale sees a spike as
+    the finite step it is.
 
     Args:
       inner: the optax transformation to apply to the unscaled gradients, e.g.
@@ -121,9 +125,9 @@ def loss_scaled(
         spike = spike_rule.is_spike(grad_norm, loss, state.spike_windows)
         if spike is None:  # a FixedLossScale's constant true stays a constant: no `cond` at all
             spike, apply = jnp.array(False), scale_applies
-        else:
+        else:  # a non-finite step, the largest spike there is, is skipped under every loss scale
             spike = spike & scale_applies & grads_finite
-            apply = scale_applies & ~spike
+            apply = scale_applies & grads_finite & ~spike
 
         # The applied branch unscales on its own, fused into the inner update (docs/design.md).
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
