@@ -10,6 +10,7 @@ from jax_lossscale._fixed import FixedLossScaleState as FixedLossScaleState
 from jax_lossscale._lookup import get_loss_scale as get_loss_scale
 from jax_lossscale._lookup import get_loss_scale_stats as get_loss_scale_stats
 from jax_lossscale._loss_scaled import loss_scaled as loss_scaled
+from jax_lossscale._model_state import where_applied as where_applied
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._serialization import deserialize as deserialize
 from jax_lossscale._serialization import get as get
@@ -39,5 +40,6 @@ __all__ = [
     "non_finite_paths",
     "register",
     "serialize",
+    "where_applied",
     "__version__",
 ]

@@ -1,0 +1,71 @@
+"""`where_applied`: the model state a skipped step must not change, kept."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_lossscale._checks import check_array_leaves, describe_array, path_name
+from jax_lossscale._lookup import get_loss_scale_stats
+from jax_lossscale._types import PyTree
+
+
+def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
+    """`new` if the last `loss_scaled` step was applied, `old` if it was skipped.
+
+    For the state a model changes in its forward pass, which `tx.update` never sees:
+    BatchNorm's running statistics (flax linen `batch_stats`, flax nnx `BatchStat`
+    variables, equinox's `eqx.nn.State`, haiku's state). A batch that overflows makes
+    them NaN or inf while its step is skipped; pass the `opt_state` returned by this
+    step's `tx.update`, and the statistics of a skipped step are the old ones, bit
+    for bit. It runs inside `jit`, `pmap` and `shard_map` with no host round trip.
+
+    Args:
+      opt_state: the optax state (or flax nnx `Optimizer`) after this step's update,
+        holding one `LossScaledState`, found as by `get_loss_scale`.
+      new: the model state after this step's forward pass.
+      old: the model state before it; a pytree of the same structure, shapes and
+        dtypes as `new`.
+
+    Returns:
+      A pytree like `new`: each leaf from `new` or from `old`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
+      >>> params = {"w": jnp.ones(2)}
+      >>> _, opt_state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, tx.init(params), params)
+      >>> old_stats, new_stats = {"mean": jnp.zeros(2)}, {"mean": jnp.array([jnp.inf, 1.0])}
+      >>> jls.where_applied(opt_state, new_stats, old_stats)
+      {'mean': Array([0., 0.], dtype=float32)}
+    """
+    applied = get_loss_scale_stats(opt_state).last_step_applied
+    if jnp.shape(applied) != ():
+        raise ValueError(
+            f"where_applied: the last_step_applied of opt_state has shape {jnp.shape(applied)}; "
+            "call it inside the step (inside pmap, where a replicated state is scalar)"
+        )
+    check_array_leaves(new, arg_name="new", caller="where_applied")
+    check_array_leaves(old, arg_name="old", caller="where_applied")
+    new_leaves, structure = jax.tree_util.tree_flatten_with_path(new)
+    # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `!=` type-checks.
+    old_structure: jax.tree_util.PyTreeDef = jax.tree.structure(old)
+    old_leaves = jax.tree.leaves(old)
+    if old_structure != structure:
+        raise ValueError(
+            f"where_applied: old has the structure {old_structure}, but new has {structure}; "
+            "pass the model state from before and after the same step"
+        )
+    for (path, new_leaf), old_leaf in zip(new_leaves, old_leaves, strict=True):
+        if jnp.shape(new_leaf) != jnp.shape(old_leaf) or new_leaf.dtype != old_leaf.dtype:
+            raise ValueError(
+                f"where_applied: the leaf at {path_name(path)} is {describe_array(new_leaf)} "
+                f"in new but {describe_array(old_leaf)} in old; the two must match"
+            )
+    kept = [
+        jnp.where(applied, new_leaf, old_leaf)
+        for (_, new_leaf), old_leaf in zip(new_leaves, old_leaves, strict=True)
+    ]
+    return jax.tree.unflatten(structure, kept)

@@ -1,0 +1,246 @@
+"""`where_applied`: model state (BatchNorm's running statistics) kept on a skipped step.
+
+Each framework's recipe, as the integrations page shows it, is fed a batch with an inf
+pixel: the forward pass turns the running statistics non-finite, the step is skipped, and
+the statistics kept are the ones from before the batch, bit for bit.
+"""
+
+import functools
+
+import chex
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_lossscale as jls
+
+X = jax.random.normal(jax.random.key(0), (16, 4))
+Y = jnp.sum(X, axis=1, keepdims=True)
+X_INF = X.at[3, 1].set(jnp.inf)  # one bad pixel
+
+
+def _tx():
+    return jls.loss_scaled(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(2.0**10))
+
+
+def _bits(tree):
+    """Each leaf's path and bytes, so that equality is bit for bit (NaN payloads and signs
+    included) and ignores what is not an array (an equinox module's static fields)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(path), np.asarray(leaf).tobytes()) for path, leaf in leaves]
+
+
+def _copies(tree):
+    return jax.tree.map(np.array, tree)
+
+
+def _finite(tree):
+    return all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
+
+
+def test_haiku_style_state_dict_is_kept_on_a_skipped_step():
+    """A hand-written BatchNorm whose state is a dict, as haiku's `hk.State` is."""
+
+    def forward(params, state, x):
+        h = x @ params["w"]
+        mean, var = jnp.mean(h, axis=0), jnp.var(h, axis=0)
+        new_state = {
+            "batch_norm": {
+                "mean": 0.9 * state["batch_norm"]["mean"] + 0.1 * mean,
+                "var": 0.9 * state["batch_norm"]["var"] + 0.1 * var,
+            }
+        }
+        out = ((h - mean) / jnp.sqrt(var + 1e-5)) @ params["v"]
+        return out, new_state
+
+    tx = _tx()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_step(params, state, opt_state, x, y):
+        def loss_fn(params):
+            out, new_state = forward(params, state, x)
+            return jnp.mean((out - y) ** 2) * jls.get_loss_scale(opt_state), new_state
+
+        grads, new_state = jax.grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        kept = jls.where_applied(opt_state, new_state, state)
+        return optax.apply_updates(params, updates), kept, opt_state, new_state
+
+    params = {"w": jnp.full((4, 8), 0.1), "v": jnp.full((8, 1), 0.1)}
+    state = {"batch_norm": {"mean": jnp.zeros(8), "var": jnp.ones(8)}}
+    opt_state = tx.init(params)
+    params, state, opt_state, _ = train_step(params, state, opt_state, X, Y)
+    assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
+    assert float(state["batch_norm"]["var"][0]) != 1.0  # an applied step takes the new state
+    before = _copies((params, state))
+    params, state, opt_state, unkept = train_step(params, state, opt_state, X_INF, Y)
+    assert not _finite(unkept)  # what the step would have kept without where_applied
+    assert _bits((params, state)) == _bits(before)
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
+class _LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(1)(x)
+
+
+def test_flax_linen_batch_stats_are_kept_on_a_skipped_step():
+    net, tx = _LinenNet(), _tx()
+    variables = net.init(jax.random.key(1), X, train=False)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+    opt_state = tx.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_step(params, batch_stats, opt_state, x, y):
+        def loss_fn(params):
+            out, mutated = net.apply(
+                {"params": params, "batch_stats": batch_stats},
+                x,
+                train=True,
+                mutable=["batch_stats"],
+            )
+            loss = jnp.mean((out - y) ** 2)
+            return loss * jls.get_loss_scale(opt_state), mutated["batch_stats"]
+
+        grads, new_stats = jax.grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        kept = jls.where_applied(opt_state, new_stats, batch_stats)
+        return optax.apply_updates(params, updates), kept, opt_state, new_stats
+
+    params, batch_stats, opt_state, _ = train_step(params, batch_stats, opt_state, X, Y)
+    before = _copies((params, batch_stats))
+    params, batch_stats, opt_state, unkept = train_step(params, batch_stats, opt_state, X_INF, Y)
+    assert not _finite(unkept)
+    assert _bits((params, batch_stats)) == _bits(before)
+    assert (
+        int(jls.get_loss_scale_stats(opt_state).inf_skipped_steps)
+        + int(jls.get_loss_scale_stats(opt_state).nan_skipped_steps)
+        == 1
+    )
+    params, batch_stats, opt_state, new_stats = train_step(params, batch_stats, opt_state, X, Y)
+    chex.assert_trees_all_equal(batch_stats, new_stats)  # applied again: the new statistics
+
+
+class _NnxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(4, 8, rngs=rngs)
+        self.batch_norm = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.batch_norm(self.dense(x)))
+
+
+def test_flax_nnx_batch_stat_variables_are_kept_on_a_skipped_step():
+    model = _NnxNet(nnx.Rngs(2))
+    optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, x, y):
+        # nnx.state gives the live variables, which the forward pass changes: copy them.
+        old_stats = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
+        scale = jls.get_loss_scale(optimizer)
+        grads = nnx.grad(lambda model: jnp.mean((model(x) - y) ** 2) * scale)(model)
+        optimizer.update(model, grads)
+        new_stats = nnx.state(model, nnx.BatchStat)
+        unkept = jax.tree.map(jnp.copy, new_stats)
+        nnx.update(model, jls.where_applied(optimizer, new_stats, old_stats))
+        return unkept
+
+    train_step(model, optimizer, X, Y)
+    before = _copies(nnx.state(model, nnx.Param)), _copies(nnx.state(model, nnx.BatchStat))
+    unkept = train_step(model, optimizer, X_INF, Y)
+    assert not _finite(unkept)
+    after = nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
+    assert _bits(after) == _bits(before)
+    assert int(jls.get_loss_scale_stats(optimizer).skipped_steps) == 1
+
+
+class _EquinoxNet(eqx.Module):
+    dense: eqx.nn.Linear
+    batch_norm: eqx.nn.BatchNorm
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        first, second = jax.random.split(key)
+        self.dense = eqx.nn.Linear(4, 8, key=first)
+        self.batch_norm = eqx.nn.BatchNorm(8, axis_name="batch", momentum=0.9, mode="ema")
+        self.out = eqx.nn.Linear(8, 1, key=second)
+
+    def __call__(self, x, state):
+        h, state = self.batch_norm(self.dense(x), state)
+        return self.out(h), state
+
+
+def test_equinox_state_is_kept_on_a_skipped_step():
+    model, state = eqx.nn.make_with_state(_EquinoxNet)(jax.random.key(3))
+    tx = _tx()
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit(donate="all-except-first")
+    def train_step(x, model, state, opt_state, y):
+        def loss_fn(model):
+            batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+            out, new_state = batched(x, state)
+            return jnp.mean((out - y) ** 2) * jls.get_loss_scale(opt_state), new_state
+
+        grads, new_state = eqx.filter_grad(loss_fn, has_aux=True)(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        kept = jls.where_applied(opt_state, new_state, state)
+        return eqx.apply_updates(model, updates), kept, opt_state, new_state
+
+    model, state, opt_state, _ = train_step(X, model, state, opt_state, Y)
+    before = _copies(eqx.filter((model, state), eqx.is_array))
+    model, state, opt_state, unkept = train_step(X_INF, model, state, opt_state, Y)
+    assert not _finite(unkept)
+    assert _bits(eqx.filter((model, state), eqx.is_array)) == _bits(before)
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_applied_step_takes_new_and_skipped_step_old(jit):
+    tx = _tx()
+    params = {"w": jnp.ones(2)}
+    new, old = {"s": jnp.array([1.0, -0.0]), "n": jnp.int32(7)}, {"s": jnp.zeros(2), "n": 3}
+    old = {"s": old["s"], "n": jnp.int32(old["n"])}
+    where_applied = jax.jit(jls.where_applied) if jit else jls.where_applied
+    _, applied_state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+    _, skipped_state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+    assert _bits(where_applied(applied_state, new, old)) == _bits(new)
+    assert _bits(where_applied(skipped_state, new, old)) == _bits(old)
+    assert _bits(where_applied(tx.init(params), new, old)) == _bits(new)  # before any step
+
+
+def test_mismatched_trees_are_refused_naming_the_leaf():
+    tx = _tx()
+    opt_state = tx.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"^where_applied: old has the structure"):
+        jls.where_applied(opt_state, {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"^where_applied: the leaf") as excinfo:
+        jls.where_applied(opt_state, {"a": jnp.ones(2)}, {"a": jnp.ones(3)})
+    assert str(excinfo.value) == (
+        "where_applied: the leaf at ['a'] is ArrayImpl of dtype float32 and shape (2,) in new "
+        "but ArrayImpl of dtype float32 and shape (3,) in old; the two must match"
+    )
+    with pytest.raises(ValueError, match=r"dtype float32 .* in new but .* dtype bfloat16"):
+        jls.where_applied(opt_state, {"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)})
+    with pytest.raises(TypeError, match=r"^where_applied: old leaf at \['a'\] has type str"):
+        jls.where_applied(opt_state, {"a": jnp.ones(2)}, {"a": "x"})
+    with pytest.raises(LookupError, match="holds no LossScaledState"):
+        jls.where_applied(optax.sgd(0.1).init({"w": jnp.ones(2)}), {}, {})
+
+
+def test_a_replicated_state_outside_pmap_is_refused():
+    tx = _tx()
+    params = {"w": jnp.ones(2)}
+    replicated = jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), tx.init(params))
+    with pytest.raises(ValueError, match=r"has shape \(2,\); call it inside the step"):
+        jls.where_applied(replicated, {"a": jnp.ones(2)}, {"a": jnp.ones(2)})
