@@ -1,6 +1,8 @@
 """Loss scaling for mixed-precision training in JAX."""
 
 from jax_lossscale._base import LossScale as LossScale
+from jax_lossscale._diagnostics import LossScaleStuckError as LossScaleStuckError
+from jax_lossscale._diagnostics import check_not_stuck as check_not_stuck
 from jax_lossscale._diagnostics import count_non_finite as count_non_finite
 from jax_lossscale._diagnostics import non_finite_paths as non_finite_paths
 from jax_lossscale._dynamic import DynamicLossScale as DynamicLossScale
@@ -29,8 +31,10 @@ __all__ = [
     "FixedLossScaleState",
     "LossScale",
     "LossScaleStats",
+    "LossScaleStuckError",
     "LossScaledState",
     "all_finite",
+    "check_not_stuck",
     "count_non_finite",
     "deserialize",
     "get",

@@ -1,10 +1,15 @@
-"""Overflow diagnostics: which gradient leaves hold NaN or inf, by pytree path."""
+"""Overflow diagnostics: which gradient leaves hold NaN or inf, and whether a run is stuck."""
+
+import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale import _checks
 from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
+from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._numerics import is_floating
 from jax_lossscale._types import PyTree
 
@@ -92,3 +97,87 @@ def non_finite_paths(counts: PyTree) -> dict[str, int]:
         if total:
             found[jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"] = total
     return found
+
+
+class LossScaleStuckError(FloatingPointError):
+    """Raised by `check_not_stuck` when a run keeps skipping its steps."""
+
+
+LossScaleStuckError.__module__ = "jax_lossscale"  # where users import it from
+
+
+def check_not_stuck(
+    opt_state: Any,
+    max_consecutive_skips: int = 100,
+    *,
+    non_finite_counts: PyTree | None = None,
+    on_stuck: str = "raise",
+) -> str | None:
+    """Says when a run is stuck: its last `max_consecutive_skips` steps or more all skipped.
+
+    A run whose gradients are non-finite whatever the scale (a NaN or inf in the forward
+    pass, a loss that overflows float16 by itself) skips every step at `min_loss_scale`
+    and its params stop changing. Call this on the host between steps, where you log:
+    it reads the stats that `tx.update` returns and adds nothing to the jitted step.
+
+    Args:
+      opt_state: the optax state (or flax nnx `Optimizer`) holding a `LossScaledState`,
+        replicated for `pmap` or not.
+      max_consecutive_skips: how many skipped steps in a row make a run stuck, >= 1.
+      non_finite_counts: optionally, `count_non_finite` of the last step's gradients,
+        returned by the step; the message then names the leaves that overflowed.
+      on_stuck: `"raise"` a `LossScaleStuckError`, or `"warn"` (a `RuntimeWarning`) and
+        go on.
+
+    Returns:
+      None when the run is not stuck; else the message it raised or warned with.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=2.0))
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> for _ in range(3):
+      ...     _, opt_state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, opt_state, params)
+      >>> jls.check_not_stuck(opt_state, 4) is None
+      True
+      >>> jls.check_not_stuck(opt_state, 3)
+      Traceback (most recent call last):
+      ...
+      jax_lossscale.LossScaleStuckError: loss_scaled is stuck: 3 steps in a row were skipped, ...
+    """
+    owner = "check_not_stuck"
+    max_consecutive_skips = _checks.integer(owner, "max_consecutive_skips", max_consecutive_skips)
+    if on_stuck not in ("raise", "warn"):
+        _checks.fail(owner, "on_stuck", on_stuck, "'raise' or 'warn'")
+    stats = get_loss_scale_stats(opt_state)
+    skipped = int(np.max(jax.device_get(stats.consecutive_skipped_steps)))
+    if skipped < max_consecutive_skips:
+        return None
+    scales = np.unique(jax.device_get(stats.loss_scale))
+    counts = {
+        "NaN": int(np.max(jax.device_get(stats.nan_skipped_steps))),
+        "inf": int(np.max(jax.device_get(stats.inf_skipped_steps))),
+        "spike": int(np.max(jax.device_get(stats.spike_skipped_steps))),
+    }
+    message = (
+        f"loss_scaled is stuck: {skipped} steps in a row were skipped, at least "
+        f"max_consecutive_skips={max_consecutive_skips}, at a loss scale of "
+        f"{', '.join(repr(float(scale)) for scale in scales)}; skipped so far: {counts['NaN']} "
+        f"for NaN, {counts['inf']} for inf, {counts['spike']} as spikes"
+    )
+    if non_finite_counts is not None:
+        paths = non_finite_paths(non_finite_counts)
+        named = ", ".join(f"{path}: {count} entries" for path, count in paths.items())
+        message += f"; the last step's gradients held NaN or inf in {named or 'no leaf'}"
+    message += (
+        "; they are not finite whatever the scale: find the op that overflows "
+        "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and compute "
+        "it in float32, lower the learning rate, or restore a checkpoint from before"
+    )
+    if on_stuck == "raise":
+        raise LossScaleStuckError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return message
