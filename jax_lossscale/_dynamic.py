@@ -136,6 +136,8 @@ class DynamicLossScale(LossScale):
             fail("max_loss_scale", f"None or >= initial_loss_scale ({self.initial_loss_scale!r})")
 
     def init(self) -> DynamicLossScaleState:
+        """Returns the first state: the scale at `initial_loss_scale`, no finite steps counted
+        and the full `hysteresis` tolerance."""
         return DynamicLossScaleState(
             loss_scale=jnp.asarray(self.initial_loss_scale, jnp.float32),
             good_steps=jnp.asarray(0, jnp.int32),
@@ -143,12 +145,26 @@ class DynamicLossScale(LossScale):
         )
 
     def __call__(self, state: DynamicLossScaleState) -> jax.Array:
+        """Returns the current scale held in `state`, a float32 scalar array."""
         check_loss_scale_state(self, state)
         return state.loss_scale
 
     def update(
         self, state: DynamicLossScaleState, grads: PyTree, axis_name: AxisName | None = None
     ) -> tuple[DynamicLossScaleState, jax.Array]:
+        """Applies the update rule above, jitted, given one step's unscaled gradients.
+
+        Args:
+          state: the current state, from `init` or a previous `update`.
+          grads: this step's gradients, already unscaled; a pytree of arrays whose
+            integer, boolean and `float0` leaves are ignored.
+          axis_name: inside `pmap` or `shard_map`, the axis over which the devices
+            agree on whether the step is finite; None elsewhere.
+
+        Returns:
+          `(new_state, should_apply)`: `should_apply` is a bool scalar array, true when
+          every floating gradient entry is finite (on every device of `axis_name`).
+        """
         check_loss_scale_state(self, state)
         check_array_leaves(grads, arg_name="grads", caller="DynamicLossScale.update")
         check_axis_name(axis_name, caller="DynamicLossScale.update")
@@ -199,6 +215,7 @@ class DynamicLossScale(LossScale):
         return _checks.FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
 
     def get_config(self) -> dict[str, Any]:
+        """Returns the hyperparameters as a JSON-able dict, which `from_config` takes back."""
         return dataclasses.asdict(self)
 
 

@@ -58,9 +58,11 @@ class FixedLossScale(LossScale):
         object.__setattr__(self, "loss_scale_value", value)
 
     def init(self) -> FixedLossScaleState:
+        """Returns the state: the scale, `loss_scale_value`, as a float32 scalar array."""
         return FixedLossScaleState(loss_scale=jnp.asarray(self.loss_scale_value, jnp.float32))
 
     def __call__(self, state: FixedLossScaleState) -> jax.Array:
+        """Returns the scale held in `state`, a float32 scalar array."""
         check_loss_scale_state(self, state)
         return state.loss_scale
 
@@ -78,4 +80,5 @@ class FixedLossScale(LossScale):
         return self.init(), jnp.array(True)
 
     def get_config(self) -> dict[str, Any]:
+        """Returns `{"loss_scale_value": ...}`, which `from_config` takes back."""
         return {"loss_scale_value": self.loss_scale_value}
