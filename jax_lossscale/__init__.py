@@ -14,12 +14,20 @@ from jax_lossscale._lookup import get_loss_scale_stats as get_loss_scale_stats
 from jax_lossscale._loss_scaled import loss_scaled as loss_scaled
 from jax_lossscale._model_state import where_applied as where_applied
 from jax_lossscale._numerics import all_finite as all_finite
+from jax_lossscale._policy import Policy as Policy
+from jax_lossscale._policy import cast_to_full as cast_to_full
+from jax_lossscale._policy import cast_to_half as cast_to_half
+from jax_lossscale._policy import cast_tree as cast_tree
+from jax_lossscale._policy import full_precision as full_precision
+from jax_lossscale._policy import get_policy as get_policy
+from jax_lossscale._policy import half_dtype as half_dtype
 from jax_lossscale._serialization import deserialize as deserialize
 from jax_lossscale._serialization import get as get
 from jax_lossscale._serialization import register as register
 from jax_lossscale._serialization import serialize as serialize
 from jax_lossscale._states import LossScaledState as LossScaledState
 from jax_lossscale._states import LossScaleStats as LossScaleStats
+from jax_lossscale._value_and_grad import value_and_grad as value_and_grad
 from jax_lossscale._version import version as _version
 
 __version__: str = _version()
@@ -33,17 +41,25 @@ __all__ = [
     "LossScaleStats",
     "LossScaleStuckError",
     "LossScaledState",
+    "Policy",
     "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "cast_tree",
     "check_not_stuck",
     "count_non_finite",
     "deserialize",
+    "full_precision",
     "get",
     "get_loss_scale",
     "get_loss_scale_stats",
+    "get_policy",
+    "half_dtype",
     "loss_scaled",
     "non_finite_paths",
     "register",
     "serialize",
+    "value_and_grad",
     "where_applied",
     "__version__",
 ]

@@ -1,0 +1,268 @@
+"""Mixed-precision casting: `Policy`, `get_policy` and the casts of floating leaves."""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._checks import describe
+from jax_lossscale._types import PyTree
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Each dtype's names; `str(policy)` writes the first.
+_NAMES = {
+    jnp.dtype(jnp.float16): ("f16", "float16"),
+    jnp.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    jnp.dtype(jnp.float32): ("f32", "float32", "full"),
+    jnp.dtype(jnp.float64): ("f64", "float64"),
+}
+_BY_NAME: dict[str, np.dtype[Any]] = {
+    name: dtype for dtype, names in _NAMES.items() for name in names
+}
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute"}
+_KEYS |= {"o": "output", "output": "output"}
+_KERAS = {"mixed_float16": jnp.float16, "mixed_bfloat16": jnp.bfloat16}
+
+
+def half_dtype() -> np.dtype[Any]:
+    """The half-precision dtype to compute in: bfloat16 on TPUs, float16 elsewhere.
+
+    Example:
+      >>> import jax_lossscale as jls
+      >>> jls.half_dtype()  # on a CPU or a GPU
+      dtype('float16')
+    """
+    return _BY_NAME["bf16" if jax.default_backend() == "tpu" else "f16"]
+
+
+def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
+    """`tree` with each floating-point array cast to `dtype`, and nothing else changed.
+
+    Integer, boolean and complex arrays, typed PRNG keys, Python scalars, None and
+    leaves that are not arrays (an equinox module's functions) come back as they
+    were, and so does an array already of `dtype`: the same object, no op in a
+    jitted graph. NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
+    equinox modules, flax nnx `State`s, linen variable dicts.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3), "name": "dense"}
+      >>> jls.cast_tree(tree, jnp.float16)
+      {'name': 'dense', 'step': Array(3, dtype=int32), 'w': Array([1., 1.], dtype=float16)}
+    """
+    target = _floating_dtype(dtype, "cast_tree", "dtype")
+
+    def cast(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array | np.ndarray | np.generic)
+            and jnp.issubdtype(leaf.dtype, jnp.floating)
+            and leaf.dtype != target
+        ):
+            return leaf.astype(target)
+        return leaf
+
+    return jax.tree.map(cast, tree)
+
+
+def cast_to_full(tree: PyTree) -> PyTree:
+    """`cast_tree(tree, jnp.float32)`, as jmp's `cast_to_full`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> jls.cast_to_full({"h": jnp.ones(2, jnp.float16)})
+      {'h': Array([1., 1.], dtype=float32)}
+    """
+    return cast_tree(tree, jnp.float32)
+
+
+def cast_to_half(tree: PyTree) -> PyTree:
+    """`cast_tree(tree, half_dtype())`, as jmp's `cast_to_half`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> jls.cast_to_half({"w": jnp.ones(2)})  # on a CPU or a GPU
+      {'w': Array([1., 1.], dtype=float16)}
+    """
+    return cast_tree(tree, half_dtype())
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of a mixed-precision model: its params, its compute and its outputs.
+
+    Frozen and hashable, so it can be a static argument of `jit` or a field of an
+    equinox module. The dtypes are given as NumPy or JAX dtypes or their names
+    (`"float16"`, `"bf16"`, `"half"`, ...); `get_policy` parses a whole policy from a
+    string, and `str(policy)` writes one it parses back.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> policy = jls.Policy(jnp.float32, jnp.float16, jnp.float32)
+      >>> str(policy)
+      'p=f32,c=f16,o=f32'
+      >>> policy.cast_to_compute({"w": jnp.ones(2)})
+      {'w': Array([1., 1.], dtype=float16)}
+    """
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            dtype = _floating_dtype(getattr(self, field), "Policy", field)
+            object.__setattr__(self, field, dtype)
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """`tree`'s floating arrays cast to the param dtype."""
+        return cast_tree(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
+        """`tree`'s floating arrays cast to the compute dtype."""
+        return cast_tree(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: PyTree) -> PyTree:
+        """`tree`'s floating arrays cast to the output dtype."""
+        return cast_tree(tree, self.output_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> "Policy":
+        """The same policy with another output dtype."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        return ",".join(
+            f"{key}={_NAMES.get(dtype, (dtype.name,))[0]}"
+            for key, dtype in zip(
+                "pco", (self.param_dtype, self.compute_dtype, self.output_dtype), strict=True
+            )
+        )
+
+
+jax.tree_util.register_static(Policy)
+
+
+def get_policy(policy_name: str) -> Policy:
+    """Parses a policy from a string, as jmp's `get_policy` does, and more.
+
+    `"params=float32,compute=float16,output=float32"`, or with the short keys
+    `"p=f32,c=f16,o=f32"`; the dtype names are `f16`/`float16`, `bf16`/`bfloat16`,
+    `f32`/`float32`/`full`, `f64`/`float64` and `half` (`half_dtype()`). Unnamed parts
+    default as jmp's do: params to float32, compute to params, output to compute. A
+    single dtype name is all three; Keras' `"mixed_float16"` and `"mixed_bfloat16"`
+    are float32 params and outputs with half compute.
+
+    Raises:
+      ValueError: naming the string and the part of it that is wrong.
+
+    Example:
+      >>> import jax_lossscale as jls
+      >>> str(jls.get_policy("c=f16"))
+      'p=f32,c=f16,o=f16'
+      >>> str(jls.get_policy("mixed_bfloat16"))
+      'p=f32,c=bf16,o=f32'
+    """
+    if not isinstance(policy_name, str):
+        raise TypeError(
+            f"get_policy(policy_name={describe(policy_name)}): policy_name must be a string "
+            "such as 'params=float32,compute=float16,output=float32'"
+        )
+    name = policy_name.strip()
+    if name in _KERAS:
+        return Policy(jnp.float32, _KERAS[name], jnp.float32)
+    if "=" not in name:
+        dtype = _parse_dtype(policy_name, name)
+        return Policy(dtype, dtype, dtype)
+    given: dict[str, Any] = {}
+    for part in name.split(","):
+        key, _, value = (piece.strip() for piece in part.partition("="))
+        if key not in _KEYS:
+            raise ValueError(
+                f"get_policy({policy_name!r}): unknown key {key!r} in {part.strip()!r}; "
+                "expected p or params, c or compute, o or output"
+            )
+        if _KEYS[key] in given:
+            raise ValueError(
+                f"get_policy({policy_name!r}): the {_KEYS[key]} dtype is given twice, "
+                f"again in {part.strip()!r}"
+            )
+        given[_KEYS[key]] = _parse_dtype(policy_name, value)
+    param = given.get("param", jnp.dtype(jnp.float32))
+    compute = given.get("compute", param)
+    return Policy(param, compute, given.get("output", compute))
+
+
+def full_precision(fn: _F, output_dtype: Any = None) -> _F:
+    """`fn` run on float32 copies of its floating inputs: the float32 island of a model.
+
+    For the parts of a half-precision model that must compute in float32: softmax,
+    norms, losses. Floating array arguments narrower than float32 are cast to
+    float32 (float64 ones stay float64), the rest as `cast_tree` leaves them; the
+    outputs are cast to `output_dtype`, or left as `fn` returns them when it is None.
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> x = jnp.full(4, 200.0, jnp.float16)
+      >>> jnp.sum(x * x)  # beyond float16's 65504
+      Array(inf, dtype=float16)
+      >>> jls.full_precision(lambda x: jnp.sum(x * x))(x)
+      Array(160000., dtype=float32)
+    """
+    if not callable(fn):
+        raise TypeError(f"full_precision(fn={describe(fn)}): fn must be callable")
+    if output_dtype is not None:
+        output_dtype = _floating_dtype(output_dtype, "full_precision", "output_dtype")
+
+    def widen(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array | np.ndarray | np.generic)
+            and jnp.issubdtype(leaf.dtype, jnp.floating)
+            and jnp.finfo(leaf.dtype).bits < 32
+        ):
+            return leaf.astype(jnp.float32)
+        return leaf
+
+    @functools.wraps(fn)
+    def in_float32(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = jax.tree.map(widen, (args, kwargs))
+        outputs = fn(*args, **kwargs)
+        return outputs if output_dtype is None else cast_tree(outputs, output_dtype)
+
+    return in_float32  # type: ignore[return-value]
+
+
+def _parse_dtype(policy_name: str, name: str) -> np.dtype[Any]:
+    if name == "half":
+        return half_dtype()
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    raise ValueError(
+        f"get_policy({policy_name!r}): unknown dtype {name!r}; expected one of "
+        f"{', '.join([*_BY_NAME, 'half'])}, or keys and dtypes as 'p=f32,c=f16,o=f32'"
+    )
+
+
+def _floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
+    """`dtype` (a dtype or one of its names) as a floating `jnp.dtype`."""
+    if isinstance(dtype, str) and (dtype in _BY_NAME or dtype == "half"):
+        return half_dtype() if dtype == "half" else _BY_NAME[dtype]
+    try:
+        result: np.dtype[Any] | None = np.dtype(dtype)
+    except TypeError:
+        result = None
+    if result is None or dtype is None or not jnp.issubdtype(result, jnp.floating):
+        raise (TypeError if result is None or dtype is None else ValueError)(
+            f"{owner}({name}={describe(dtype)}): {name} must be a floating-point dtype such "
+            "as jnp.float16, jnp.bfloat16 or jnp.float32"
+        )
+    return result

@@ -1,0 +1,103 @@
+"""`value_and_grad`: the gradients of the loss times the scale, and the loss as it is."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._checks import describe, is_scalar_array
+from jax_lossscale._lookup import get_loss_scale
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    opt_state: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    using: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
+    """`jax.value_and_grad` of `fun`, with the gradients scaled for `loss_scaled`.
+
+    The function returned gives `(value, grads)` (`((value, aux), grads)` with
+    `has_aux`), where `value` is `fun`'s own value, bit for bit, and `grads` are the
+    gradients of `value * scale`, the product taken in float32 (a float16 loss times
+    2**15 would overflow): the scaled gradients that `loss_scaled(...).update` takes.
+    The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
+    a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
+    array. Call it inside the train step, with the step's own `opt_state`: one trace
+    serves every step, whatever the scale.
+
+    Args:
+      fun: the loss function; its value (or the first element of its output, with
+        `has_aux`) must be a real scalar.
+      opt_state: the optax state holding a `LossScaledState`, or the scale.
+      argnums: which positional arguments to differentiate, as `jax.value_and_grad`.
+      has_aux: whether `fun` returns `(value, aux)`.
+      using: the value-and-grad transformation, `jax.value_and_grad` by default;
+        `eqx.filter_value_and_grad` or `nnx.value_and_grad` for those frameworks.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=8.0))
+      >>> params = {"w": jnp.array([1.0, 2.0])}
+      >>> opt_state = tx.init(params)
+      >>> loss, grads = jls.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), opt_state)(params)
+      >>> loss, grads["w"]
+      (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(f"value_and_grad(fun={describe(fun)}): fun must be callable")
+    if using is not None and not callable(using):
+        raise TypeError(
+            f"value_and_grad(using={describe(using)}): using must be a value-and-grad "
+            "transformation such as jax.value_and_grad or eqx.filter_value_and_grad"
+        )
+    scale = _scale(opt_state)
+    transform = jax.value_and_grad if using is None else using
+    # eqx.filter_value_and_grad takes no argnums: it differentiates the first argument.
+    options: dict[str, Any] = {"has_aux": True}
+    if argnums != 0:
+        options["argnums"] = argnums
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+        output = fun(*args, **kwargs)
+        value, aux = output if has_aux else (output, None)
+        if not (
+            isinstance(value, jax.Array | np.ndarray | np.generic)
+            and value.shape == ()
+            and jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(
+                "value_and_grad: fun must return a real floating scalar"
+                f"{' as the first element of (value, aux)' if has_aux else ''}, got "
+                f"{describe(value)}"
+            )
+        wide = jnp.promote_types(value.dtype, jnp.float32)
+        return value.astype(wide) * scale.astype(wide), (value, aux)
+
+    def value_and_scaled_grad(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        (_, (value, aux)), grads = transform(scaled, **options)(*args, **kwargs)
+        return ((value, aux) if has_aux else value), grads
+
+    return value_and_scaled_grad
+
+
+def _scale(opt_state: Any) -> jax.Array:
+    if is_scalar_array(opt_state, np.float32):
+        return jnp.asarray(opt_state)
+    if isinstance(opt_state, jax.Array | np.ndarray | np.generic):
+        raise TypeError(
+            f"value_and_grad(opt_state={describe(opt_state)}): a scale given directly must be "
+            "a float32 scalar array"
+        )
+    try:
+        return get_loss_scale(opt_state)
+    except LookupError as error:
+        raise LookupError(
+            f"value_and_grad: {error}; or pass the scale itself, a float32 scalar array"
+        ) from None
