@@ -1,4 +1,4 @@
-"""One process of the multi-process test in `test_loss_scaled_distributed.py`.
+"""One process of the multi-process test in `test_distributed.py`.
 
 Run as `python multiprocess_worker.py --process-id I --num-processes N --port P --output F`:
 joins a `jax.distributed` job on 127.0.0.1 with CPU devices, runs a few steps of a jitted,

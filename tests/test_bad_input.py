@@ -1,4 +1,4 @@
-"""The bad-input table: each public entry point refuses bad input clearly (DESIGN.md 3.8).
+"""The bad-input table: each public entry point refuses bad input clearly (docs/reliability.md).
 
 Every row is one wrong call. The test checks that it raises the expected exception type,
 that the message names the argument and the value received (and, where the library's
@@ -1204,7 +1204,7 @@ def test_bad_input_is_refused_naming_argument_and_value(case: Case, mode: str):
     assert (_fingerprint(case.args), _registry(), repr(DYN), repr(FIX)) == before
 
 
-# --- None leaves are not bad input: they are ignored (DESIGN.md 3.1) -----------------------
+# --- None leaves are not bad input: they are ignored (docs/optax-wrapper.md) ----------------
 
 NONE_GRADS = {"b": None, "w": jnp.array([8.0, jnp.inf]), "z": (None, jnp.array([16.0]))}
 

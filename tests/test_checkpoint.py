@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 import jax_lossscale as jls
 from jax_lossscale._states import StepStats
 
+from helpers import assert_bits_equal
+
 STEPS = 16
 W_SHAPE = (16, 8)
 B_SHAPE = (8,)
@@ -115,9 +117,8 @@ def _run(step, params, opt_state, steps, on_step=None):
 
 
 def _assert_bitwise_equal(actual, expected):
-    chex.assert_trees_all_equal(actual, expected, strict=True)
-    bits = jax.tree.map(lambda x: np.asarray(x).tobytes(), (actual, expected))
-    assert bits[0] == bits[1]
+    chex.assert_trees_all_equal(actual, expected, strict=True)  # weak types too
+    assert_bits_equal(actual, expected)
 
 
 def _wrapper_state(opt_state) -> jls.LossScaledState:

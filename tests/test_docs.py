@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+import jax_lossscale
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 BLOCKS = [
@@ -39,3 +41,17 @@ def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
     for name in jax_lossscale.__all__:
         if name != "__version__":
             assert f"::: jax_lossscale.{name}\n" in api, name
+
+
+def test_every_public_method_has_a_docstring_the_reference_renders():
+    """mkdocstrings leaves out members without a docstring (`show_if_no_docstring: false`)."""
+    missing = []
+    for name in jax_lossscale.__all__:
+        value = getattr(jax_lossscale, name)
+        if not isinstance(value, type):
+            continue
+        for member, function in vars(value).items():
+            public = not member.startswith("_") or member == "__call__"
+            if public and callable(function) and not (function.__doc__ or "").strip():
+                missing.append(f"{name}.{member}")
+    assert missing == []

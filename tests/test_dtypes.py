@@ -1,4 +1,4 @@
-"""Dtypes (DESIGN.md 3.4): a float32 scale, float32 arithmetic, every leaf keeps its dtype."""
+"""Dtypes (docs/reliability.md): a float32 scale, float32 arithmetic, every leaf keeps its dtype."""
 
 import chex
 import jax

@@ -1,4 +1,4 @@
-"""Update semantics of `DynamicLossScale` and `FixedLossScale` (DESIGN.md 3.1 to 3.3)."""
+"""Update semantics of `DynamicLossScale` and `FixedLossScale` (docs/update-rule.md)."""
 
 import contextlib
 import copy
@@ -79,9 +79,9 @@ def f32(x) -> np.float32:
     return np.float32(x)
 
 
-# DESIGN.md 3.3, the table, row for row.
+# The table of docs/update-rule.md, row for row.
 _I = F32_MAX / 4
-DESIGN_TABLE = [
+UPDATE_RULE_TABLE = [
     pytest.param((1, 2, 2), {}, "TTTTTT", [1, 2, 2, 4, 4, 8], id="grow"),
     pytest.param((_I, 2, 2), {}, "TTTTTT", [_I, 2 * _I, 2 * _I, 4 * _I, 4 * _I, 4 * _I], id="max"),
     pytest.param((1024, 2, 2), {}, "FFFFFF", [512, 256, 128, 64, 32, 16], id="backoff"),
@@ -93,7 +93,7 @@ DESIGN_TABLE = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("args", "kwargs", "steps", "expected"), DESIGN_TABLE)
+@pytest.mark.parametrize(("args", "kwargs", "steps", "expected"), UPDATE_RULE_TABLE)
 def test_design_table(args, kwargs, steps, expected, mode):
     check_trajectory(jls.DynamicLossScale(*args, **kwargs), steps, expected, mode)
 

@@ -20,6 +20,8 @@ from flax import nnx
 
 import jax_lossscale as jls
 
+from helpers import bits
+
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 2, 16, 4
 TEXT = b"the loss scale grows while gradients stay finite and backs off when they overflow. "
 POISONED = [False, False, True, False, False, False]
@@ -46,10 +48,6 @@ def loss_scale():
 def adamw_with_schedule():
     schedule = optax.linear_schedule(3e-3, 1e-3, transition_steps=10)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-2))
-
-
-def bits(tree):
-    return jax.tree.map(lambda x: np.asarray(x).view(f"u{np.asarray(x).itemsize}"), tree)
 
 
 # --- flax nnx -------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from flax import nnx
 
 import jax_lossscale as jls
 
+from helpers import assert_bits_equal
+
 X = jax.random.normal(jax.random.key(0), (16, 4))
 Y = jnp.sum(X, axis=1, keepdims=True)
 X_INF = X.at[3, 1].set(jnp.inf)  # one bad pixel
@@ -26,13 +28,6 @@ X_INF = X.at[3, 1].set(jnp.inf)  # one bad pixel
 
 def _tx():
     return jls.loss_scaled(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale(2.0**10))
-
-
-def _bits(tree):
-    """Each leaf's path and bytes, so that equality is bit for bit (NaN payloads and signs
-    included) and ignores what is not an array (an equinox module's static fields)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(jax.tree_util.keystr(path), np.asarray(leaf).tobytes()) for path, leaf in leaves]
 
 
 def _copies(tree):
@@ -80,7 +75,7 @@ def test_haiku_style_state_dict_is_kept_on_a_skipped_step():
     before = _copies((params, state))
     params, state, opt_state, unkept = train_step(params, state, opt_state, X_INF, Y)
     assert not _finite(unkept)  # what the step would have kept without where_applied
-    assert _bits((params, state)) == _bits(before)
+    assert_bits_equal((params, state), before)
     assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
 
 
@@ -119,7 +114,7 @@ def test_flax_linen_batch_stats_are_kept_on_a_skipped_step():
     before = _copies((params, batch_stats))
     params, batch_stats, opt_state, unkept = train_step(params, batch_stats, opt_state, X_INF, Y)
     assert not _finite(unkept)
-    assert _bits((params, batch_stats)) == _bits(before)
+    assert_bits_equal((params, batch_stats), before)
     assert (
         int(jls.get_loss_scale_stats(opt_state).inf_skipped_steps)
         + int(jls.get_loss_scale_stats(opt_state).nan_skipped_steps)
@@ -160,7 +155,7 @@ def test_flax_nnx_batch_stat_variables_are_kept_on_a_skipped_step():
     unkept = train_step(model, optimizer, X_INF, Y)
     assert not _finite(unkept)
     after = nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
-    assert _bits(after) == _bits(before)
+    assert_bits_equal(after, before)
     assert int(jls.get_loss_scale_stats(optimizer).skipped_steps) == 1
 
 
@@ -201,7 +196,7 @@ def test_equinox_state_is_kept_on_a_skipped_step():
     before = _copies(eqx.filter((model, state), eqx.is_array))
     model, state, opt_state, unkept = train_step(X_INF, model, state, opt_state, Y)
     assert not _finite(unkept)
-    assert _bits(eqx.filter((model, state), eqx.is_array)) == _bits(before)
+    assert_bits_equal(eqx.filter((model, state), eqx.is_array), before)
     assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
 
 
@@ -214,9 +209,9 @@ def test_applied_step_takes_new_and_skipped_step_old(jit):
     where_applied = jax.jit(jls.where_applied) if jit else jls.where_applied
     _, applied_state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
     _, skipped_state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
-    assert _bits(where_applied(applied_state, new, old)) == _bits(new)
-    assert _bits(where_applied(skipped_state, new, old)) == _bits(old)
-    assert _bits(where_applied(tx.init(params), new, old)) == _bits(new)  # before any step
+    assert_bits_equal(where_applied(applied_state, new, old), new)
+    assert_bits_equal(where_applied(skipped_state, new, old), old)
+    assert_bits_equal(where_applied(tx.init(params), new, old), new)  # before any step
 
 
 def test_mismatched_trees_are_refused_naming_the_leaf():

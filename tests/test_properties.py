@@ -1,6 +1,6 @@
-"""Property tests: `DynamicLossScale.update` against a plain-Python model of DESIGN.md 3.3."""
+"""Property tests: `DynamicLossScale.update` against the plain-Python reference model of the
+update rule (`helpers.ReferenceLossScale`, docs/update-rule.md)."""
 
-import dataclasses
 import functools
 import math
 
@@ -13,61 +13,10 @@ from hypothesis import strategies as st
 
 import jax_lossscale as jls
 
-F32_MAX = float(np.finfo(np.float32).max)
+from helpers import F32_MAX, ReferenceLossScale
+
 LENGTH = 40
 SETTINGS = hypothesis.settings(max_examples=150, deadline=None)
-
-
-@dataclasses.dataclass
-class Model:
-    """DESIGN.md 3.3 in plain Python, with float32 scale arithmetic in numpy."""
-
-    initial_loss_scale: float
-    increment_period: int
-    multiplier: float
-    backoff_factor: float | None
-    min_loss_scale: float
-    max_loss_scale: float | None
-    hysteresis: int
-    consecutive_hysteresis: bool
-
-    def __post_init__(self):
-        self.scale = np.float32(self.initial_loss_scale)
-        self.good_steps = 0
-        # Non-finite steps since the hysteresis counter was last refilled.
-        self.overflows = 0
-
-    @property
-    def ceiling(self) -> np.float32:
-        return np.float32(F32_MAX if self.max_loss_scale is None else self.max_loss_scale)
-
-    @property
-    def overflows_until_backoff(self) -> int:
-        """Non-finite steps, the next one included, until the scale backs off."""
-        return max(self.hysteresis - self.overflows, 1)
-
-    def step(self, finite: bool) -> bool:
-        if finite:
-            self.good_steps += 1
-            if self.consecutive_hysteresis:
-                self.overflows = 0
-            if self.good_steps >= self.increment_period:
-                with np.errstate(over="ignore"):
-                    grown = self.scale * np.float32(self.multiplier)
-                if np.isfinite(grown) and grown <= self.ceiling:
-                    self.scale = grown
-                self.good_steps = 0
-                self.overflows = 0
-        else:
-            self.good_steps = 0
-            self.overflows += 1
-            if self.overflows >= self.hysteresis:
-                if self.backoff_factor is None:
-                    reduced = self.scale / np.float32(self.multiplier)
-                else:
-                    reduced = self.scale * np.float32(self.backoff_factor)
-                self.scale = max(reduced, np.float32(self.min_loss_scale))
-        return finite
 
 
 _I = F32_MAX / 4
@@ -83,8 +32,8 @@ _I = F32_MAX / 4
         ((16, 2, 2), 2, "FFFTTTFF", [16, 8, 4, 4, 8, 8, 8, 4]),
     ],
 )
-def test_model_reproduces_the_design_table(args, hysteresis, steps, expected):
-    model = Model(*args, None, 1.0, None, hysteresis, False)
+def test_model_reproduces_the_table_of_the_update_rule_page(args, hysteresis, steps, expected):
+    model = ReferenceLossScale(*args, hysteresis=hysteresis)
     scales = []
     for flag in steps:
         model.step(flag == "T")
@@ -167,7 +116,7 @@ def run_library(kwargs: dict, values: list[float]):
 def test_update_matches_the_model(kwargs, values):
     scales, good_steps, overflows_until_backoff, should_apply = run_library(kwargs, values)
     assert scales.dtype == np.float32
-    model = Model(**kwargs)
+    model = ReferenceLossScale(**kwargs)
     expected = []
     for value in values:
         applied = model.step(math.isfinite(value))

@@ -1,12 +1,11 @@
 """Reliability: the wrapper against a plain-Python model, counter limits, float64 and float16
-extremes, the skip statistics and the overflow diagnostics (issue 6, DESIGN.md 3.3-3.5)."""
+extremes and the skip statistics (docs/reliability.md; the rule: docs/update-rule.md)."""
 
 import dataclasses
 import functools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -23,19 +22,9 @@ from hypothesis import strategies as st
 
 import jax_lossscale as jls
 
+from helpers import ReferenceLossScale, assert_bits_equal
+
 INT32_MAX = 2**31 - 1
-F32_MAX = float(np.finfo(np.float32).max)
-UINT_OF_SIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def bits(tree):
-    """Each leaf as unsigned integers of its width, so that signed zeros compare exactly."""
-    return jax.tree.map(lambda leaf: np.asarray(leaf).view(UINT_OF_SIZE[leaf.dtype.itemsize]), tree)
-
-
-def assert_bits_equal(actual, expected):
-    chex.assert_trees_all_equal_dtypes(actual, expected)
-    chex.assert_trees_all_equal(bits(actual), bits(expected))
 
 
 def int32(value: int) -> jax.Array:
@@ -50,10 +39,6 @@ def stats_dict(opt_state) -> dict:
     if math.isnan(stats["grad_norm"]):
         stats["grad_norm"] = "nan"
     return stats
-
-
-def exact(message: str) -> str:
-    return "^" + re.escape(message) + "$"
 
 
 # --- 1. the wrapper against a plain-Python model --------------------------------------------
@@ -78,39 +63,28 @@ def wrapped_update(ls: jls.DynamicLossScale, inner_name: str, scaled_grads, opt_
 
 
 class Model:
-    """The update rule of DESIGN.md 3.3 and the statistics of 3.5, in plain Python and numpy."""
+    """The wrapper's statistics in plain Python, around the reference model of the update rule."""
 
     def __init__(self, config: dict):
-        self.config = config
-        self.scale = np.float32(config["initial_loss_scale"])
-        self.good_steps = 0
-        self.overflows_until_backoff = config["hysteresis"]
+        self.rule = ReferenceLossScale(**config)
         self.skipped = self.nan_skipped = self.inf_skipped = self.consecutive = 0
 
+    @property
+    def scale(self) -> np.float32:
+        return self.rule.scale
+
+    @property
+    def good_steps(self) -> int:
+        return self.rule.good_steps
+
+    @property
+    def overflows_until_backoff(self) -> int:
+        return self.rule.overflows_until_backoff
+
     def step(self, kind: str) -> bool:
-        config = self.config
-        ceiling = config["max_loss_scale"] or F32_MAX
-        if kind == "finite":
-            self.good_steps += 1
-            if config["consecutive_hysteresis"]:
-                self.overflows_until_backoff = config["hysteresis"]
-            if self.good_steps >= config["increment_period"]:
-                grown = self.scale * np.float32(config["multiplier"])
-                if grown <= ceiling:
-                    self.scale = grown
-                self.good_steps = 0
-                self.overflows_until_backoff = config["hysteresis"]
+        if self.rule.step(kind == "finite"):
             self.consecutive = 0
             return True
-        self.good_steps = 0
-        if self.overflows_until_backoff > 1:
-            self.overflows_until_backoff -= 1
-        else:
-            if config["backoff_factor"] is None:
-                reduced = self.scale / np.float32(config["multiplier"])
-            else:
-                reduced = self.scale * np.float32(config["backoff_factor"])
-            self.scale = max(reduced, np.float32(config["min_loss_scale"]))
         self.skipped += 1
         self.consecutive += 1
         if kind == "nan":
@@ -587,160 +561,3 @@ def test_applied_non_finite_steps_count_as_no_skip(jit_or_eager):
     ]
     history = run_steps(tx, params, grads_list, jit_or_eager)
     assert history == [(0, 0, 0, 0, True)] * 4
-
-
-# --- 6. diagnostics -------------------------------------------------------------------------
-
-
-def mixed_tree():
-    nan, inf = jnp.nan, jnp.inf
-    return {
-        "encoder": {
-            "layers": [
-                {"kernel": jnp.array([[1.0, nan], [inf, -inf]]), "bias": None},
-                {"kernel": jnp.zeros((2, 2)), "bias": jnp.array([1.0, 2.0], jnp.float16)},
-            ],
-            "steps": jnp.array([3, 4], jnp.int32),
-        },
-        "head": (
-            jnp.array([inf, 1.0, nan], jnp.bfloat16),
-            jnp.array([True, False]),
-            jnp.array([1 + 1j, complex(nan, 0.0), complex(1.0, -inf)], jnp.complex64),
-        ),
-        "scale": jnp.array(jnp.inf, jnp.float16),
-        "unused": None,
-    }
-
-
-def expected_counts():
-    def count(n):
-        return jnp.asarray(n, jnp.int32)
-
-    return {
-        "encoder": {
-            "layers": [
-                {"kernel": count(3), "bias": None},
-                {"kernel": count(0), "bias": count(0)},
-            ],
-            "steps": count(0),
-        },
-        "head": (count(2), count(0), count(2)),
-        "scale": count(1),
-        "unused": None,
-    }
-
-
-def test_count_non_finite_counts_each_leaf(jit_or_eager):
-    counts = jit_or_eager(jls.count_non_finite, mixed_tree())
-    chex.assert_trees_all_equal(counts, expected_counts(), strict=True)
-    assert counts["unused"] is None
-    assert counts["encoder"]["layers"][0]["bias"] is None
-
-
-def test_non_finite_paths_names_the_leaves_in_order(jit_or_eager):
-    counts = jit_or_eager(jls.count_non_finite, mixed_tree())
-    paths = jls.non_finite_paths(counts)
-    assert list(paths.items()) == [
-        ("encoder/layers/0/kernel", 3),
-        ("head/0", 2),
-        ("head/2", 2),
-        ("scale", 1),
-    ]
-
-
-def test_non_finite_paths_is_empty_when_all_is_finite(jit_or_eager):
-    tree = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(2, jnp.bfloat16), None], "n": jnp.array(7)}
-    counts = jit_or_eager(jls.count_non_finite, tree)
-    assert jls.non_finite_paths(counts) == {}
-    assert jls.non_finite_paths(jls.count_non_finite({})) == {}
-
-
-def test_non_finite_paths_of_a_single_leaf_names_the_root():
-    assert jls.non_finite_paths(jls.count_non_finite(jnp.array([jnp.nan, 1.0]))) == {"<root>": 1}
-
-
-@pytest.mark.parametrize(
-    ("counts", "message"),
-    [
-        (
-            {"w": jnp.array(1.0)},
-            "non_finite_paths: counts leaf at ['w'] is array(1., dtype=float32); "
-            "pass the tree returned by count_non_finite",
-        ),
-        (
-            {"grads": {"w": jnp.ones(3)}},
-            "non_finite_paths: counts leaf at ['grads']['w'] is "
-            "array([1., 1., 1.], dtype=float32); pass the tree returned by count_non_finite",
-        ),
-        (
-            1.5,
-            "non_finite_paths: counts leaf at <root> is 1.5; "
-            "pass the tree returned by count_non_finite",
-        ),
-    ],
-    ids=["float-scalar", "gradients", "python-float"],
-)
-def test_non_finite_paths_refuses_what_is_not_counts(counts, message):
-    with pytest.raises(TypeError, match=exact(message)):
-        jls.non_finite_paths(counts)
-
-
-def test_non_finite_paths_sums_counts_over_devices():
-    grads = {
-        "b": jnp.zeros((8, 2)),
-        "w": jnp.zeros((8, 3)).at[2, 0].set(jnp.inf).at[5].set(jnp.nan),
-    }
-    counts = jax.pmap(jls.count_non_finite)(grads)
-    chex.assert_trees_all_equal(
-        counts, {"b": jnp.zeros(8, jnp.int32), "w": jnp.array([0, 0, 1, 0, 0, 3, 0, 0], jnp.int32)}
-    )
-    assert jls.non_finite_paths(counts) == {"w": 4}
-
-
-def test_count_non_finite_names_a_string_leaf():
-    message = (
-        "count_non_finite: tree leaf at ['a'][1]['name'] has type str ('dense'); "
-        "every leaf must be a JAX or NumPy array (or None)"
-    )
-    with pytest.raises(TypeError, match=exact(message)):
-        jls.count_non_finite({"a": [jnp.ones(2), {"name": "dense"}]})
-
-
-def test_train_step_reports_the_overflowing_layer():
-    ls = jls.DynamicLossScale(initial_loss_scale=2.0**13, increment_period=100)
-    tx = jls.loss_scaled(optax.sgd(0.1), ls)
-    params = {"layers": [{"w": jnp.ones(4)}, {"w": jnp.ones(4)}]}
-    inputs = [jnp.full(4, 1.0), jnp.full(4, 10.0)]
-
-    def loss_fn(params):
-        # Half-precision compute: the gradient of layer 1 is scale * 10, over the
-        # float16 maximum at a scale of 2**13 but not at 2**12.
-        terms = [
-            jnp.sum(layer["w"].astype(jnp.float16) * x.astype(jnp.float16))
-            for layer, x in zip(params["layers"], inputs, strict=True)
-        ]
-        return sum(terms).astype(jnp.float32)
-
-    @jax.jit
-    def train_step(params, opt_state):
-        scale = jls.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: loss_fn(p) * scale)(params)
-        counts = jls.count_non_finite(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, counts
-
-    opt_state = tx.init(params)
-    new_params, opt_state, counts = train_step(params, opt_state)
-    assert jls.non_finite_paths(counts) == {"layers/1/w": 4}
-    assert_bits_equal(new_params, params)
-    assert stats_dict(opt_state)["inf_skipped_steps"] == 1
-    assert jls.get_loss_scale(opt_state).item() == 2.0**12
-
-    new_params, opt_state, counts = train_step(params, opt_state)
-    assert jls.non_finite_paths(counts) == {}
-    one, tenth = np.float32(1.0), np.float32(0.1)
-    chex.assert_trees_all_equal(
-        new_params,
-        {"layers": [{"w": jnp.full(4, one - tenth)}, {"w": jnp.full(4, one - tenth * 10)}]},
-    )
-    assert stats_dict(opt_state)["last_step_applied"] is True

@@ -1,4 +1,5 @@
-"""Fault-injection soak of `loss_scaled` (DESIGN.md 3.3, 3.5, 3.6).
+"""Fault-injection soak of `loss_scaled` (docs/update-rule.md, docs/optax-wrapper.md,
+docs/distributed.md).
 
 Thousands of adamw steps inside `lax.scan`, with NaN, +inf and -inf written into
 random single entries of the scaled gradients and a burst that pins the scale at its
@@ -23,6 +24,8 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+
+from helpers import ReferenceLossScale
 
 IN, HIDDEN, OUT = 24, 64, 8
 MIN_SCALE, MAX_SCALE = 2.0**-4, 2.0**20
@@ -113,29 +116,6 @@ def _all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()
 
 
-def _model_scales(ls: jls.DynamicLossScale, finite: np.ndarray) -> list[float]:
-    """The scale after each step, by the rule of DESIGN.md 3.3 in plain Python."""
-    scale, good_steps, tolerance = ls.initial_loss_scale, 0, ls.hysteresis
-    scales = []
-    for step_finite in finite:
-        if step_finite:
-            good_steps += 1
-            if ls.consecutive_hysteresis:
-                tolerance = ls.hysteresis
-            if good_steps >= ls.increment_period:
-                if scale * ls.multiplier <= ls.max_loss_scale:
-                    scale *= ls.multiplier
-                good_steps, tolerance = 0, ls.hysteresis
-        else:
-            good_steps = 0
-            if tolerance > 1:
-                tolerance -= 1
-            else:
-                scale = max(scale / ls.multiplier, ls.min_loss_scale)
-        scales.append(scale)
-    return scales
-
-
 def _consecutive_skips(injected: np.ndarray) -> np.ndarray:
     runs, run = [], 0
     for skipped in injected:
@@ -189,12 +169,14 @@ def _clean(inner, params, x, y):
 
 
 def _check_stats(stats, finite_flags, ls: jls.DynamicLossScale, schedule: Schedule, burst):
-    """The per-step statistics against the schedule and the model of DESIGN.md 3.3."""
+    """The per-step statistics against the schedule and the reference model of the update rule."""
     injected = schedule.injected
     assert np.asarray(finite_flags).all()
 
     scales = np.asarray(stats.loss_scale)
-    np.testing.assert_array_equal(scales, np.array(_model_scales(ls, ~injected), np.float32))
+    np.testing.assert_array_equal(
+        scales, np.array(ReferenceLossScale.of(ls).scales(~injected), np.float32)
+    )
     assert scales.min() >= MIN_SCALE
     assert scales.max() <= MAX_SCALE
     assert (scales == MAX_SCALE).any()

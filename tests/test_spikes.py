@@ -1,6 +1,7 @@
-"""The gradient norm in the stats and spike skipping (DESIGN.md 3.9)."""
+"""The gradient norm in the stats and spike skipping (docs/spikes.md)."""
 
 import collections
+import functools
 import math
 import re
 
@@ -18,19 +19,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax_lossscale as jls
 from jax_lossscale._spikes import RecentValues, SpikeWindows
 
+from helpers import ReferenceLossScale, assert_bits_equal
+
 NUM_DEVICES = 8
 AXIS = "d"
 
 
 def exact(message: str) -> str:
     return "^" + re.escape(message) + "$"
-
-
-def assert_bits_equal(actual, expected):
-    chex.assert_trees_all_equal_structs(actual, expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert np.asarray(a).dtype == np.asarray(e).dtype
-        assert np.asarray(a).tobytes() == np.asarray(e).tobytes()
 
 
 def norm64(tree) -> float:
@@ -466,7 +462,8 @@ def test_a_run_resumed_mid_window_continues_bit_identically(tmp_path):
 
 
 class SpikeModel:
-    """DESIGN.md 3.9 in plain Python: which steps are skipped and what the windows hold."""
+    """Spike skipping (docs/spikes.md) in plain Python: which steps are skipped, what the
+    windows hold."""
 
     def __init__(self, bound, sigmas, window):
         self.bound, self.sigmas = bound, sigmas
@@ -548,19 +545,8 @@ def test_the_wrapper_follows_the_model(bound, sigmas, window, with_loss, steps):
             assert _window_in_order(opt_state.spike_windows.grad_norm) == list(model.norms)
             assert _window_in_order(opt_state.spike_windows.loss) == list(model.losses)
     # The loss scale counts spikes as finite steps: it grew every second finite step.
-    assert float(jls.get_loss_scale(opt_state)) == _model_scale(steps)
-
-
-def _model_scale(steps) -> float:
-    scale, good = 2.0**4, 0
-    for kind, _, _ in steps:
-        if kind == "finite":
-            good += 1
-            if good == 2:
-                scale, good = scale * 2, 0
-        else:
-            scale, good = max(scale / 2, 1.0), 0
-    return scale
+    kinds = [kind == "finite" for kind, _, _ in steps]
+    assert float(jls.get_loss_scale(opt_state)) == ReferenceLossScale(2.0**4, 2).scales(kinds)[-1]
 
 
 def _jitted_update(tx):
@@ -755,3 +741,90 @@ def test_a_donated_equinox_step_reports_the_norm_of_the_true_gradients():
     expected = norm64(eqx.filter(true_grads, eqx.is_inexact_array))
     model, opt_state = train_step(model, opt_state)
     np.testing.assert_allclose(jls.get_loss_scale_stats(opt_state).grad_norm, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "options",
+    [{"skip_grad_norm_above": 10.0}, {"skip_spike_sigmas": 4.0, "spike_window": 2}],
+    ids=["bound", "window"],
+)
+def test_spike_options_skip_non_finite_steps_under_a_fixed_loss_scale(options, bad, jit):
+    tx = jls.loss_scaled(optax.adam(0.1), jls.FixedLossScale(1.0), **options)
+    update = jax.jit(tx.update) if jit else tx.update
+    params = {"w": jnp.array([1.0, 2.0])}
+    updates, opt_state = update({"w": jnp.array([0.5, 0.5])}, tx.init(params), params)
+    params = optax.apply_updates(params, updates)
+    before = jax.tree.map(np.array, (params, opt_state.inner_state))
+    updates, opt_state = update({"w": jnp.array([bad, 0.5])}, opt_state, params)
+    after = (optax.apply_updates(params, updates), opt_state.inner_state)
+    assert_bits_equal(after, before)
+    stats = jls.get_loss_scale_stats(opt_state)
+    nan = bool(np.isnan(bad))
+    assert (int(stats.nan_skipped_steps), int(stats.inf_skipped_steps)) == (nan, not nan)
+    assert (int(stats.skipped_steps), int(stats.spike_skipped_steps)) == (1, 0)
+    assert float(stats.loss_scale) == 1.0
+
+
+def test_a_fixed_loss_scale_without_spike_options_applies_non_finite_steps():
+    """TensorFlow's rule: a fixed scale cannot react, so the NaN reaches the params."""
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(1.0))
+    params = {"w": jnp.array([1.0, 1.0])}
+    updates, opt_state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+    np.testing.assert_array_equal(
+        optax.apply_updates(params, updates)["w"], np.array([np.nan, 0.9], np.float32)
+    )
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 0
+
+
+def test_the_bfloat16_recipe_skips_a_nan_batch_in_a_donated_step():
+    """A DynamicLossScale held at 1: no scaling, and a NaN batch leaves everything as it was."""
+    loss_scale = jls.DynamicLossScale(
+        initial_loss_scale=1.0, increment_period=2, max_loss_scale=1.0
+    )
+    tx = jls.loss_scaled(optax.adamw(1e-2), loss_scale)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]).astype(jnp.float32) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = {"w": jnp.full((4, 2), 0.5, jnp.bfloat16)}
+    opt_state = tx.init(params)
+    scales = []
+    for step in range(8):
+        x = jnp.full((3, 4), jnp.nan if step == 5 else 1.0, jnp.bfloat16)
+        if step == 5:
+            before = jax.tree.map(np.array, (params, opt_state.inner_state))
+        params, opt_state = train_step(params, opt_state, x)
+        if step == 5:
+            assert_bits_equal((params, opt_state.inner_state), before)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+    assert scales == [1.0] * 8  # never grows past max_loss_scale, never backs off below 1
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (int(stats.skipped_steps), int(stats.nan_skipped_steps)) == (1, 1)
+    assert params["w"].dtype == jnp.bfloat16
+
+
+def test_a_scaled_loss_given_as_value_makes_the_growth_of_the_scale_a_spike():
+    """Why `value=` must be the true loss: the scaled one jumps when the scale grows."""
+
+    def skipped_steps(value_is_scaled):
+        loss_scale = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=5)
+        tx = jls.loss_scaled(optax.sgd(0.1), loss_scale, skip_spike_sigmas=3.0, spike_window=4)
+        params = {"w": jnp.zeros(2)}
+        opt_state = tx.init(params)
+        skipped = []
+        for step in range(8):
+            scale = jls.get_loss_scale(opt_state)
+            loss = jnp.float32(1.0)  # the same true loss every step
+            value = loss * scale if value_is_scaled else loss
+            _, opt_state = tx.update({"w": jnp.ones(2) * scale}, opt_state, params, value=value)
+            if not jls.get_loss_scale_stats(opt_state).last_step_applied:
+                skipped.append(step)
+        return skipped
+
+    assert skipped_steps(value_is_scaled=True) == [5, 6, 7]  # 16 > mean 8 + 3 * std 0
+    assert skipped_steps(value_is_scaled=False) == []

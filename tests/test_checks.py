@@ -1,4 +1,5 @@
-"""Bad input: hyperparameters, states and gradient leaves are rejected loudly (DESIGN.md 3.8)."""
+"""The checks (`_checks`): hyperparameters, states and gradient leaves are refused loudly,
+edge values accepted and normalised, nothing mutated (docs/reliability.md)."""
 
 import copy
 import dataclasses

@@ -1,4 +1,4 @@
-"""`all_finite` (DESIGN.md 3.1): edge cases, leaf checks and agreement across devices."""
+"""The numerics (`_numerics`): `all_finite`, edge cases, leaf checks, agreement across devices."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""`loss_scaled` under distribution (DESIGN.md 3.6): pmap, shard_map, SPMD jit, processes."""
+"""`loss_scaled` under distribution (docs/distributed.md): pmap, shard_map, SPMD jit, processes."""
 
 import functools
 import json
@@ -11,13 +11,15 @@ from pathlib import Path
 
 import chex
 import jax
-import multiprocess_worker as worker  # tests/multiprocess_worker.py
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
+
+import multiprocess_worker as worker  # tests/multiprocess_worker.py
 
 NUM_DEVICES = 8
 AXIS = "d"
@@ -532,3 +534,37 @@ def test_processes_agree_with_an_overflow_in_one_process(tmp_path):
         assert other["applied"][step] is False
     assert results[0]["local_b"] == results[1]["local_b"]
     assert results[0]["params_sha256"] == results[1]["params_sha256"]
+
+
+@pytest.mark.parametrize("average_in_float32", [False, True])
+def test_a_float16_mean_of_scaled_gradients_overflows_where_a_float32_one_does_not(
+    average_in_float32,
+):
+    """Two devices' finite scaled float16 gradients of 40960 sum to inf before the division."""
+    tx = jls.loss_scaled(optax.sgd(2.0**-4), jls.DynamicLossScale(2.0**15), axis_name="data")
+    devices = jax.local_devices()[:2]
+    params = {"w": jnp.ones((2, 4), jnp.float16)}
+
+    @functools.partial(jax.pmap, axis_name="data", devices=devices)
+    def train_step(params, opt_state, x):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jnp.sum(x * p["w"]).astype(jnp.float32) * scale)(params)
+        if average_in_float32:
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads = jax.lax.pmean(grads, "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = jax.pmap(tx.init, devices=devices)(params)
+    x = jnp.full((2, 4), 1.25, jnp.float16)  # scaled by 2**15: 40960 on each device
+    params, opt_state = train_step(params, opt_state, x)
+    stats = jls.get_loss_scale_stats(opt_state)
+    if average_in_float32:
+        assert stats.skipped_steps.tolist() == [0, 0]
+        np.testing.assert_array_equal(params["w"], np.full((2, 4), 1 - 1.25 / 16, np.float16))
+        assert stats.loss_scale.tolist() == [2.0**15] * 2
+    else:
+        assert stats.skipped_steps.tolist() == [1, 1]
+        assert stats.inf_skipped_steps.tolist() == [1, 1]
+        np.testing.assert_array_equal(params["w"], np.ones((2, 4), np.float16))
+        assert stats.loss_scale.tolist() == [2.0**14] * 2

@@ -1,0 +1,105 @@
+"""What the tests share: bit-exact comparison of trees, and the reference model of the update
+rule (docs/update-rule.md) in plain Python, against which the jitted rule is checked."""
+
+import chex
+import jax
+import numpy as np
+
+import jax_lossscale as jls
+
+F32_MAX = float(np.finfo(np.float32).max)
+UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bits(tree):
+    """Each leaf as unsigned integers of its width: NaN payloads and signed zeros compare.
+
+    A complex leaf gets a last axis of two: the bits of its real and imaginary parts.
+    """
+
+    def view(leaf):
+        array = np.asarray(leaf)
+        if np.iscomplexobj(array):
+            array = np.stack([array.real, array.imag], axis=-1)
+        return array.view(UINT_OF_SIZE[array.dtype.itemsize])
+
+    return jax.tree.map(view, tree)
+
+
+def assert_bits_equal(actual, expected):
+    """The same structure, dtypes, shapes and bits, leaf by leaf."""
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    chex.assert_trees_all_equal_shapes(actual, expected)
+    chex.assert_trees_all_equal(bits(actual), bits(expected))
+
+
+class ReferenceLossScale:
+    """`DynamicLossScale`'s update rule in plain Python, the scale computed in float32 as numpy
+    does it, from the same hyperparameters (a `DynamicLossScale` or its keyword arguments)."""
+
+    def __init__(
+        self,
+        initial_loss_scale=2.0**15,
+        increment_period=2000,
+        multiplier=2.0,
+        *,
+        backoff_factor=None,
+        min_loss_scale=1.0,
+        max_loss_scale=None,
+        hysteresis=1,
+        consecutive_hysteresis=False,
+    ):
+        self.increment_period = increment_period
+        self.multiplier = np.float32(multiplier)
+        self.backoff_factor = None if backoff_factor is None else np.float32(backoff_factor)
+        self.min_loss_scale = np.float32(min_loss_scale)
+        self.ceiling = np.float32(F32_MAX if max_loss_scale is None else max_loss_scale)
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.scale = np.float32(initial_loss_scale)
+        self.good_steps = 0
+        self.overflows_until_backoff = hysteresis
+
+    @classmethod
+    def of(cls, loss_scale) -> "ReferenceLossScale":
+        """The model of a `jls.DynamicLossScale`."""
+        return cls(**loss_scale.get_config())
+
+    def step(self, finite: bool) -> bool:
+        """Advances the model by one step; returns whether the step is applied."""
+        if finite:
+            self.good_steps += 1
+            if self.consecutive_hysteresis:
+                self.overflows_until_backoff = self.hysteresis
+            if self.good_steps >= self.increment_period:
+                with np.errstate(over="ignore"):
+                    grown = self.scale * self.multiplier
+                if np.isfinite(grown) and grown <= self.ceiling:
+                    self.scale = grown
+                self.good_steps = 0
+                self.overflows_until_backoff = self.hysteresis
+            return True
+        self.good_steps = 0
+        if self.overflows_until_backoff > 1:
+            self.overflows_until_backoff -= 1
+        else:
+            if self.backoff_factor is None:
+                reduced = self.scale / self.multiplier
+            else:
+                reduced = self.scale * self.backoff_factor
+            self.scale = max(reduced, self.min_loss_scale)
+        return False
+
+    def scales(self, finite_steps) -> list[float]:
+        """The scale after each of `finite_steps` (booleans), the model advanced through them."""
+        result = []
+        for finite in finite_steps:
+            self.step(bool(finite))
+            result.append(float(self.scale))
+        return result
+
+
+def stats_tuple(opt_state) -> tuple[float, int, bool]:
+    """The scale, the skipped steps and whether the last step was applied, as Python values."""
+    stats = jls.get_loss_scale_stats(opt_state)
+    return float(stats.loss_scale), int(stats.skipped_steps), bool(stats.last_step_applied)

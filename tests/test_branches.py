@@ -1,0 +1,208 @@
+"""Apply or skip (`_branches`): inner states that change dtype across an update, joined into the
+dtype that holds the old and the new values exactly, as bare optax accepts them."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale._branches import holds_exactly
+
+from helpers import assert_bits_equal
+
+MIXED_INNERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+}
+
+
+def assert_close_in_dtype(actual, expected, eps):
+    """Equal dtypes, and values within 4 `eps` (0 for integer leaves)."""
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        rtol = 4 * float(eps) if jnp.issubdtype(e.dtype, jnp.floating) else 0
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=rtol)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("make_inner", MIXED_INNERS.values(), ids=MIXED_INNERS.keys())
+def test_half_precision_params_with_float32_grads_work_as_bare_optax(make_inner, param_dtype):
+    inner = make_inner()
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=2.0**8))
+    params = {"w": jnp.array([1.0, -2.0, 0.5], param_dtype), "b": jnp.array(0.25, param_dtype)}
+    true_grads = [
+        {"w": jnp.array([0.5, -0.25, 2.0]), "b": jnp.float32(-1.0)},
+        {"w": jnp.array([jnp.inf, 0.0, 1.0]), "b": jnp.float32(1.0)},  # skipped
+        {"w": jnp.array([0.125, 0.75, -1.5]), "b": jnp.float32(0.5)},
+    ]
+    opt_state = tx.init(params)
+    chex.assert_trees_all_equal(opt_state.inner_state, inner.init(params), strict=True)
+    for step, grads in enumerate(true_grads):
+        scale = jls.get_loss_scale(opt_state)
+        scaled = jax.tree.map(lambda g, scale=scale: g * scale, grads)
+        before = opt_state
+        updates, opt_state = tx.update(scaled, opt_state, params)
+        if step == 1:
+            # The skip returns the state as it was, in the dtype the inner update gives.
+            assert_bits_equal(optax.apply_updates(params, updates), params)
+            chex.assert_trees_all_equal(opt_state.inner_state, before.inner_state, strict=False)
+            chex.assert_trees_all_equal_dtypes(opt_state.inner_state, before.inner_state)
+            continue
+        ref_updates, ref_state = inner.update(grads, before.inner_state, params)
+        # The dtypes of bare optax, and its values to a few ulps of the params' dtype: the
+        # wrapper's inner update is compiled inside a cond, where XLA computes half-precision
+        # intermediates in float32 and rounds once, where bare optax eagerly rounds each.
+        assert_close_in_dtype(
+            (updates, opt_state.inner_state), (ref_updates, ref_state), jnp.finfo(param_dtype).eps
+        )
+        params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_equal_dtypes(params, {"w": param_dtype(0), "b": param_dtype(0)})
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_first_step_skipped_keeps_the_half_precision_state_values_as_float32(param_dtype):
+    """A running mean of the gradients started at the params: its dtype widens on update."""
+
+    def init(params):
+        return {"mean": jax.tree.map(jnp.copy, params)}
+
+    def update(updates, state, params=None):
+        mean = jax.tree.map(lambda m, g: 0.5 * m + 0.5 * g, state["mean"], updates)
+        return updates, {"mean": mean}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
+    params = {"w": jnp.array([1.0, -3.5, 2.0**-10, -0.0], param_dtype)}
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    updates, opt_state = step({"w": jnp.array([1.0, jnp.nan, 0.0, 0.0])}, tx.init(params), params)
+    assert_bits_equal(opt_state.inner_state, {"mean": {"w": params["w"].astype(jnp.float32)}})
+    assert_bits_equal(updates, {"w": jnp.full(4, -0.0)})
+    scale = jls.get_loss_scale(opt_state)
+    _, opt_state = step({"w": jnp.full(4, 2.0) * scale}, opt_state, params)
+    expected = 0.5 * params["w"].astype(jnp.float32) + 1.0
+    assert_bits_equal(opt_state.inner_state, {"mean": {"w": expected}})
+
+
+def _narrowing_inner():
+    """An inner whose float32 state comes back bfloat16 from each update."""
+
+    def init(params):
+        return {"last": jnp.full(2, 1 + 2.0**-20, jnp.float32)}
+
+    def update(updates, state, params=None):
+        return updates, {"last": updates["w"].astype(jnp.bfloat16)}
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_a_state_that_narrows_is_kept_in_the_dtype_that_holds_both(jit_or_eager):
+    tx = jls.loss_scaled(_narrowing_inner(), jls.FixedLossScale(1.0))
+    dynamic = jls.loss_scaled(_narrowing_inner(), jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(2)}
+    _, state = jit_or_eager(tx.update, {"w": jnp.array([1.5, 3.0])}, tx.init(params), params)
+    assert_bits_equal(state.inner_state, {"last": jnp.array([1.5, 3.0], jnp.float32)})
+    initial = dynamic.init(params)
+    _, skipped = jit_or_eager(dynamic.update, {"w": jnp.array([jnp.inf, 0.0])}, initial, params)
+    assert_bits_equal(skipped.inner_state, initial.inner_state)  # 1 + 2**-20 kept in float32
+
+
+def _summing_inner():
+    """An inner whose state starts as a Python number and sums the gradients into it."""
+
+    def init(params):
+        return {"total": jnp.asarray(0.5)}  # weakly typed float32
+
+    def update(updates, state, params=None):
+        return updates, {"total": state["total"] + jnp.sum(updates["w"])}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_weakly_typed_inner_state_leaf_takes_the_dtype_bare_optax_gives_it(
+    jit_or_eager, grad_dtype
+):
+    inner = _summing_inner()
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(2, grad_dtype)}
+    state = tx.init(params)
+    assert state.inner_state["total"].weak_type
+    grads = {"w": jnp.array([1.0, 2.0], grad_dtype)}
+    _, bare = jit_or_eager(inner.update, grads, inner.init(params), params)
+    assert not bare["total"].weak_type
+    assert bare["total"].dtype == grad_dtype
+    _, applied = jit_or_eager(tx.update, grads, state, params)
+    chex.assert_trees_all_equal(applied.inner_state, bare, strict=True)
+    bad = {"w": jnp.array([jnp.nan, 1.0], grad_dtype)}
+    _, skipped = jit_or_eager(tx.update, bad, state, params)
+    chex.assert_trees_all_equal(skipped.inner_state, {"total": grad_dtype(0.5)}, strict=True)
+
+
+def test_a_float8_state_widened_by_the_update_is_kept_exactly_on_a_skip(jit_or_eager):
+    """An inner that keeps a float8 state and returns it as bfloat16 (no implicit promotion)."""
+
+    def init(params):
+        return {"last": jnp.array([448.0, -0.015625, 0.0], jnp.float8_e4m3fn)}
+
+    def update(updates, state, params=None):
+        return updates, {"last": updates["w"].astype(jnp.bfloat16)}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale(1.0))
+    params = {"w": jnp.zeros(3)}
+    initial = tx.init(params)
+    _, skipped = jit_or_eager(tx.update, {"w": jnp.array([jnp.nan, 0.0, 0.0])}, initial, params)
+    expected = {"last": jnp.array([448.0, -0.015625, 0.0], jnp.bfloat16)}
+    assert_bits_equal(skipped.inner_state, expected)
+    _, applied = jit_or_eager(tx.update, {"w": jnp.array([1.5, 2.0, -3.0])}, initial, params)
+    assert_bits_equal(applied.inner_state, {"last": jnp.array([1.5, 2.0, -3.0], jnp.bfloat16)})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "other", "holds"),
+    [
+        (jnp.float32, jnp.bfloat16, True),
+        (jnp.bfloat16, jnp.float32, False),
+        (jnp.float16, jnp.bfloat16, False),  # fewer exponent bits
+        (jnp.bfloat16, jnp.float16, False),  # fewer mantissa bits
+        (jnp.bfloat16, jnp.float8_e4m3fn, True),
+        (jnp.float16, jnp.float8_e5m2, True),
+        (jnp.float8_e4m3fn, jnp.float8_e5m2, False),  # no infinity, smaller range
+        (jnp.float8_e4m3fn, jnp.int8, False),  # 127 needs 7 significant bits
+        (jnp.float32, jnp.int16, True),
+        (jnp.float32, jnp.int32, False),
+        (jnp.int32, jnp.int8, True),
+        (jnp.float16, jnp.bool_, True),
+        (jnp.complex64, jnp.float32, True),
+        (jnp.float32, jnp.complex64, False),
+    ],
+)
+def test_which_dtype_holds_another_exactly(dtype, other, holds):
+    assert holds_exactly(dtype, other) is holds
+
+
+def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():
+    def init(params):
+        return {"count": jnp.zeros([], jnp.int32)}
+
+    def update(updates, state, params=None):
+        return updates, {"count": state["count"].astype(jnp.float32) + 1}
+
+    tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "loss_scaled.update: inner.update turns the state leaf at ['count'] from int32 into "
+            "float32, and no dtype holds the values of both exactly, so a skipped step could "
+            "not keep it"
+        ),
+    ):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)

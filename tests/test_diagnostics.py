@@ -1,0 +1,301 @@
+"""Overflow diagnostics: `count_non_finite` and `non_finite_paths` name the leaves that hold NaN
+or inf, their counts saturate, and `check_not_stuck` says when a run keeps skipping."""
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale._diagnostics import saturating_count
+
+from helpers import assert_bits_equal
+
+
+def stats_dict(opt_state) -> dict:
+    return {k: v.item() for k, v in jls.get_loss_scale_stats(opt_state)._asdict().items()}
+
+
+def exact(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+# --- which leaves overflowed ---------------------------------------------------------------
+
+
+def mixed_tree():
+    nan, inf = jnp.nan, jnp.inf
+    return {
+        "encoder": {
+            "layers": [
+                {"kernel": jnp.array([[1.0, nan], [inf, -inf]]), "bias": None},
+                {"kernel": jnp.zeros((2, 2)), "bias": jnp.array([1.0, 2.0], jnp.float16)},
+            ],
+            "steps": jnp.array([3, 4], jnp.int32),
+        },
+        "head": (
+            jnp.array([inf, 1.0, nan], jnp.bfloat16),
+            jnp.array([True, False]),
+            jnp.array([1 + 1j, complex(nan, 0.0), complex(1.0, -inf)], jnp.complex64),
+        ),
+        "scale": jnp.array(jnp.inf, jnp.float16),
+        "unused": None,
+    }
+
+
+def expected_counts():
+    def count(n):
+        return jnp.asarray(n, jnp.int32)
+
+    return {
+        "encoder": {
+            "layers": [
+                {"kernel": count(3), "bias": None},
+                {"kernel": count(0), "bias": count(0)},
+            ],
+            "steps": count(0),
+        },
+        "head": (count(2), count(0), count(2)),
+        "scale": count(1),
+        "unused": None,
+    }
+
+
+def test_count_non_finite_counts_each_leaf(jit_or_eager):
+    counts = jit_or_eager(jls.count_non_finite, mixed_tree())
+    chex.assert_trees_all_equal(counts, expected_counts(), strict=True)
+    assert counts["unused"] is None
+    assert counts["encoder"]["layers"][0]["bias"] is None
+
+
+def test_non_finite_paths_names_the_leaves_in_order(jit_or_eager):
+    counts = jit_or_eager(jls.count_non_finite, mixed_tree())
+    paths = jls.non_finite_paths(counts)
+    assert list(paths.items()) == [
+        ("encoder/layers/0/kernel", 3),
+        ("head/0", 2),
+        ("head/2", 2),
+        ("scale", 1),
+    ]
+
+
+def test_non_finite_paths_is_empty_when_all_is_finite(jit_or_eager):
+    tree = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(2, jnp.bfloat16), None], "n": jnp.array(7)}
+    counts = jit_or_eager(jls.count_non_finite, tree)
+    assert jls.non_finite_paths(counts) == {}
+    assert jls.non_finite_paths(jls.count_non_finite({})) == {}
+
+
+def test_non_finite_paths_of_a_single_leaf_names_the_root():
+    assert jls.non_finite_paths(jls.count_non_finite(jnp.array([jnp.nan, 1.0]))) == {"<root>": 1}
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        (
+            {"w": jnp.array(1.0)},
+            "non_finite_paths: counts leaf at ['w'] is array(1., dtype=float32); "
+            "pass the tree returned by count_non_finite",
+        ),
+        (
+            {"grads": {"w": jnp.ones(3)}},
+            "non_finite_paths: counts leaf at ['grads']['w'] is "
+            "array([1., 1., 1.], dtype=float32); pass the tree returned by count_non_finite",
+        ),
+        (
+            1.5,
+            "non_finite_paths: counts leaf at <root> is 1.5; "
+            "pass the tree returned by count_non_finite",
+        ),
+    ],
+    ids=["float-scalar", "gradients", "python-float"],
+)
+def test_non_finite_paths_refuses_what_is_not_counts(counts, message):
+    with pytest.raises(TypeError, match=exact(message)):
+        jls.non_finite_paths(counts)
+
+
+def test_non_finite_paths_sums_counts_over_devices():
+    grads = {
+        "b": jnp.zeros((8, 2)),
+        "w": jnp.zeros((8, 3)).at[2, 0].set(jnp.inf).at[5].set(jnp.nan),
+    }
+    counts = jax.pmap(jls.count_non_finite)(grads)
+    chex.assert_trees_all_equal(
+        counts, {"b": jnp.zeros(8, jnp.int32), "w": jnp.array([0, 0, 1, 0, 0, 3, 0, 0], jnp.int32)}
+    )
+    assert jls.non_finite_paths(counts) == {"w": 4}
+
+
+def test_count_non_finite_names_a_string_leaf():
+    message = (
+        "count_non_finite: tree leaf at ['a'][1]['name'] has type str ('dense'); "
+        "every leaf must be a JAX or NumPy array (or None)"
+    )
+    with pytest.raises(TypeError, match=exact(message)):
+        jls.count_non_finite({"a": [jnp.ones(2), {"name": "dense"}]})
+
+
+def test_train_step_reports_the_overflowing_layer():
+    ls = jls.DynamicLossScale(initial_loss_scale=2.0**13, increment_period=100)
+    tx = jls.loss_scaled(optax.sgd(0.1), ls)
+    params = {"layers": [{"w": jnp.ones(4)}, {"w": jnp.ones(4)}]}
+    inputs = [jnp.full(4, 1.0), jnp.full(4, 10.0)]
+
+    def loss_fn(params):
+        # Half-precision compute: the gradient of layer 1 is scale * 10, over the
+        # float16 maximum at a scale of 2**13 but not at 2**12.
+        terms = [
+            jnp.sum(layer["w"].astype(jnp.float16) * x.astype(jnp.float16))
+            for layer, x in zip(params["layers"], inputs, strict=True)
+        ]
+        return sum(terms).astype(jnp.float32)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: loss_fn(p) * scale)(params)
+        counts = jls.count_non_finite(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, counts
+
+    opt_state = tx.init(params)
+    new_params, opt_state, counts = train_step(params, opt_state)
+    assert jls.non_finite_paths(counts) == {"layers/1/w": 4}
+    assert_bits_equal(new_params, params)
+    assert stats_dict(opt_state)["inf_skipped_steps"] == 1
+    assert jls.get_loss_scale(opt_state).item() == 2.0**12
+
+    new_params, opt_state, counts = train_step(params, opt_state)
+    assert jls.non_finite_paths(counts) == {}
+    one, tenth = np.float32(1.0), np.float32(0.1)
+    chex.assert_trees_all_equal(
+        new_params,
+        {"layers": [{"w": jnp.full(4, one - tenth)}, {"w": jnp.full(4, one - tenth * 10)}]},
+    )
+    assert stats_dict(opt_state)["last_step_applied"] is True
+
+
+# --- counts saturate -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "chunk", "expected"),
+    [(10, 3, 10), (10, 4, 10), (12, 4, 12), (5, 8, 5), (0, 4, 0)],
+)
+def test_saturating_count_in_chunks_counts_exactly_below_the_limit(size, chunk, expected):
+    assert int(jax.jit(saturating_count, static_argnums=1)(jnp.ones(size, bool), chunk)) == expected
+
+
+def test_count_non_finite_saturates_past_int32_max():
+    # 2**31 + 5 entries, all inf: an int32 sum would wrap to -2**31 + 5.
+    leaf = jax.jit(lambda: jnp.full(2**31 + 5, jnp.inf, jnp.float8_e5m2))()
+    counts = jls.count_non_finite({"big": leaf, "small": jnp.array([1.0, jnp.nan])})
+    del leaf
+    chex.assert_trees_all_equal(
+        counts, {"big": jnp.int32(2**31 - 1), "small": jnp.int32(1)}, strict=True
+    )
+
+
+# --- stuck runs -------------------------------------------------------------------------------
+
+
+def _stuck_run(steps, bad_steps, loss_scale=None):
+    """A donated, jitted step run `steps` times; the gradient of `w` is NaN on `bad_steps`."""
+    tx = jls.loss_scaled(optax.sgd(0.1), loss_scale or jls.DynamicLossScale(2.0**3))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, bad):
+        grads = {"b": jnp.ones(2), "w": jnp.where(bad, jnp.nan, 1.0) * jnp.ones(3)}
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jls.count_non_finite(grads)
+
+    params = {"b": jnp.zeros(2), "w": jnp.zeros(3)}
+    opt_state = tx.init(params)
+    for step in range(steps):
+        params, opt_state, counts = train_step(params, opt_state, step in bad_steps)
+    return opt_state, counts
+
+
+_STUCK_FIVE = (
+    "loss_scaled is stuck: 5 steps in a row were skipped, at least max_consecutive_skips=5, "
+    "at a loss scale of 1.0; skipped so far: 5 for NaN, 0 for inf, 0 as spikes"
+)
+_ADVICE = (
+    "; they are not finite whatever the scale: find the op that overflows (count_non_finite on "
+    "the gradients, jax_debug_nans on the forward pass) and compute it in float32, lower the "
+    "learning rate, or restore a checkpoint from before"
+)
+
+
+def test_check_not_stuck_raises_naming_the_scale_the_counts_and_the_leaves():
+    opt_state, counts = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
+    assert jls.check_not_stuck(opt_state, 6, non_finite_counts=counts) is None
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 5, non_finite_counts=counts)
+    assert str(excinfo.value) == (
+        _STUCK_FIVE + "; the last step's gradients held NaN or inf in w: 3 entries" + _ADVICE
+    )
+    assert isinstance(excinfo.value, FloatingPointError)
+    assert repr(excinfo.type) == "<class 'jax_lossscale.LossScaleStuckError'>"
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 5)  # no counts: no leaves named
+    assert str(excinfo.value) == _STUCK_FIVE + _ADVICE
+
+
+def test_check_not_stuck_warns_and_goes_on_when_asked():
+    opt_state, counts = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
+    with pytest.warns(RuntimeWarning, match="^loss_scaled is stuck: 5 steps in a row") as record:
+        message = jls.check_not_stuck(opt_state, 5, non_finite_counts=counts, on_stuck="warn")
+    assert message == str(record[0].message)
+    assert message.startswith(_STUCK_FIVE)
+
+
+def test_an_applied_step_unsticks_the_run():
+    opt_state, _ = _stuck_run(7, bad_steps={0, 1, 2, 3, 4})  # steps 5 and 6 applied
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (int(stats.skipped_steps), int(stats.consecutive_skipped_steps)) == (5, 0)
+    assert jls.check_not_stuck(opt_state, 1) is None
+
+
+def test_check_not_stuck_reads_a_state_replicated_by_pmap():
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(2.0), axis_name="i")
+    devices = jax.local_device_count()
+    params = {"w": jnp.zeros((devices, 2))}
+
+    @functools.partial(jax.pmap, axis_name="i")
+    def train_step(params, opt_state, g):
+        updates, opt_state = tx.update({"w": g}, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = jax.pmap(tx.init)(params)
+    grads = jnp.ones((devices, 2)).at[0, 0].set(jnp.inf)  # one device overflows
+    for _ in range(3):
+        params, opt_state = train_step(params, opt_state, grads)
+    with pytest.raises(jls.LossScaleStuckError, match=r"3 steps in a row.* 0 for NaN, 3 for inf"):
+        jls.check_not_stuck(opt_state, 3)
+
+
+def test_check_not_stuck_bad_input():
+    opt_state, _ = _stuck_run(1, bad_steps=set())
+    with pytest.raises(ValueError, match=r"^check_not_stuck\(max_consecutive_skips=0\)") as excinfo:
+        jls.check_not_stuck(opt_state, 0)
+    assert str(excinfo.value) == (
+        "check_not_stuck(max_consecutive_skips=0): max_consecutive_skips must be an integer "
+        ">= 1 and <= 2147483647"
+    )
+    with pytest.raises(TypeError, match=r"^check_not_stuck\(max_consecutive_skips=2.5\)"):
+        jls.check_not_stuck(opt_state, 2.5)
+    with pytest.raises(ValueError, match=r"^check_not_stuck\(on_stuck='ignore'\)") as excinfo:
+        jls.check_not_stuck(opt_state, 3, on_stuck="ignore")
+    assert str(excinfo.value) == (
+        "check_not_stuck(on_stuck='ignore'): on_stuck must be 'raise' or 'warn'"
+    )
+    with pytest.raises(LookupError, match="holds no LossScaledState"):
+        jls.check_not_stuck(optax.sgd(0.1).init({"w": jnp.zeros(2)}))

@@ -1,0 +1,107 @@
+"""`get_loss_scale` and `get_loss_scale_stats` (`_lookup`): the state found wherever it sits in
+an optax state, and the errors when it is absent or ambiguous."""
+
+import re
+
+import chex
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+from helpers import stats_tuple
+
+
+def wrapper(initial: float) -> optax.GradientTransformationExtraArgs:
+    return jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=initial))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda p: wrapper(64.0).init(p),
+        lambda p: optax.chain(optax.clip(1.0), wrapper(64.0), optax.scale(2.0)).init(p),
+        lambda p: optax.inject_hyperparams(
+            lambda learning_rate: jls.loss_scaled(
+                optax.sgd(learning_rate), jls.DynamicLossScale(initial_loss_scale=64.0)
+            )
+        )(learning_rate=0.1).init(p),
+        lambda p: jls.loss_scaled(
+            optax.inject_hyperparams(optax.adam)(learning_rate=0.1), jls.FixedLossScale(64.0)
+        ).init(p),
+        lambda p: optax.MultiSteps(wrapper(64.0), 4).init(p),
+        lambda p: jls.loss_scaled(
+            optax.MultiSteps(optax.sgd(0.1), 4), jls.FixedLossScale(64.0)
+        ).init(p),
+        lambda p: {"opt": (optax.adam(1e-3).init(p), [wrapper(64.0).init(p)]), "step": 3},
+    ],
+    ids=["root", "chain", "inject-outside", "inject-inside", "multisteps", "of-multisteps", "nest"],
+)
+def test_get_loss_scale_finds_the_state(build):
+    opt_state = build({"w": jnp.zeros(3)})
+    scale = jls.get_loss_scale(opt_state)
+    assert scale.dtype == jnp.float32
+    assert scale.shape == ()
+    assert float(scale) == 64.0
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert isinstance(stats, jls.LossScaleStats)
+    assert stats_tuple(opt_state) == (64.0, 0, True)
+    assert stats.skipped_steps.dtype == jnp.int32
+    assert stats.last_step_applied.dtype == jnp.bool_
+
+
+def test_get_loss_scale_reads_the_current_scale():
+    tx = optax.chain(optax.scale(1.0), wrapper(64.0))
+    params = {"w": jnp.zeros(3)}
+    opt_state = tx.init(params)
+    _, opt_state = tx.update({"w": jnp.array([1.0, jnp.nan, 1.0])}, opt_state, params)
+    assert float(jls.get_loss_scale(opt_state)) == 32.0
+    expected = {
+        "loss_scale": jnp.array(32.0, jnp.float32),
+        "grad_norm": jnp.array(jnp.nan, jnp.float32),
+        "skipped_steps": jnp.array(1, jnp.int32),
+        "nan_skipped_steps": jnp.array(1, jnp.int32),
+        "inf_skipped_steps": jnp.array(0, jnp.int32),
+        "spike_skipped_steps": jnp.array(0, jnp.int32),
+        "consecutive_skipped_steps": jnp.array(1, jnp.int32),
+        "last_step_applied": jnp.array(False),
+    }
+    stats = jls.get_loss_scale_stats(opt_state)._asdict()
+    chex.assert_trees_all_equal(stats, expected, strict=True)
+    assert not any(leaf.weak_type for leaf in stats.values())
+
+
+@pytest.mark.parametrize("getter", [jls.get_loss_scale, jls.get_loss_scale_stats])
+def test_get_loss_scale_absent(getter):
+    opt_state = optax.adam(1e-3).init({"w": jnp.zeros(3)})
+    message = (
+        f"{getter.__name__}: opt_state (tuple) holds no LossScaledState; "
+        "build the optimizer with jax_lossscale.loss_scaled(inner, loss_scale)"
+    )
+    with pytest.raises(LookupError, match=re.escape(message)):
+        getter(opt_state)
+    with pytest.raises(LookupError, match=r"opt_state \(dict\) holds no LossScaledState"):
+        getter({"a": opt_state})
+
+
+@pytest.mark.parametrize(
+    ("build", "paths"),
+    [
+        (lambda p: optax.chain(wrapper(8.0), wrapper(16.0)).init(p), "[0], [1]"),
+        (
+            lambda p: {"x": wrapper(8.0).init(p), "y": {"z": wrapper(16.0).init(p)}},
+            "['x'], ['y']['z']",
+        ),
+    ],
+    ids=["chain", "dict"],
+)
+@pytest.mark.parametrize("getter", [jls.get_loss_scale, jls.get_loss_scale_stats])
+def test_get_loss_scale_ambiguous(getter, build, paths):
+    opt_state = build({"w": jnp.zeros(3)})
+    message = (
+        f"{getter.__name__}: opt_state holds 2 LossScaledStates (at {paths}); "
+        "pass the part of the state that holds the one you mean"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getter(opt_state)
