@@ -30,7 +30,8 @@ def apply_or_skip(
     A skip returns updates of -0.0, the additive identity of every float (so that
     `optax.apply_updates` keeps the params' bits, signed zeros included), the inner
     state as it was, and `nan_search()`, which runs on skipped steps only. An `apply`
-    known when tracing (a FixedLossScale's, or eager) takes its branch with no `cond`.
+    concrete when traced (eagerly) takes its branch with no `cond`; under `jit` even a
+    FixedLossScale's constant true is a tracer, and XLA folds the `cond` on it.
     """
     applied_types: tuple[PyTree, PyTree] | None = None
 

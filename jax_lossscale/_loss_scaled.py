@@ -123,7 +123,7 @@ def loss_scaled(
             loss = jax.lax.pmean(loss, axis_name)
 
         spike = spike_rule.is_spike(grad_norm, loss, state.spike_windows)
-        if spike is None:  # a FixedLossScale's constant true stays a constant: no `cond` at all
+        if spike is None:  # the loss scale alone decides (XLA folds a FixedLossScale's cond)
             spike, apply = jnp.array(False), scale_applies
         else:  # a non-finite step, the largest spike there is, is skipped under every loss scale
             spike = spike & scale_applies & grads_finite
