@@ -74,9 +74,11 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
 
 
 def _is_wrapper_state(node: Any) -> bool:
-    # flax nnx's `nnx.state` turns the NamedTuple into a mapping of its fields.
+    # flax nnx's `nnx.state` turns the NamedTuple into a mapping of its fields, and leaves out
+    # an inner state that holds no arrays (plain sgd's).
     if isinstance(node, Mapping):
-        return set(LossScaledState._fields[:3]) <= set(node) <= set(LossScaledState._fields)
+        fields = set(LossScaledState._fields)
+        return {"loss_scale_state", "stats"} <= set(node) <= fields
     return isinstance(node, LossScaledState)
 
 

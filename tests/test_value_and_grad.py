@@ -1,0 +1,767 @@
+"""`jls.value_and_grad`: the loss as `fun` returns it, bit for bit, and the gradients of the loss
+times the scale, the product taken in float32.
+
+Also: two faults of mpx 0.1.8's `filter_value_and_grad` (Data-Science-in-Mechanical-
+Engineering/mixed_precision_for_JAX, mpx/_loss_scaling.py and mpx/_grad_tools.py) shown not to
+happen here: (a) mpx takes loss * scale with the scale cast to float16, so for a float16 loss of
+10 at a scale of 2**15 the scaled loss is inf, and so is the value it returns (the scaled loss
+unscaled); (b) mpx unscales the gradients by the scale after its update, so on a growth step
+the gradients it returns are half the true ones.
+"""
+
+import functools
+import re
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jax_lossscale as jls
+
+from helpers import ReferenceLossScale, assert_bits_equal, bits
+
+F16, F32 = jnp.float16, jnp.float32
+POLICY = jls.get_policy("p=f32,c=f16,o=f32")
+
+
+def exactly(message):
+    """A `match` pattern for exactly `message`."""
+    return f"^{re.escape(message)}$"
+
+
+def small_params():
+    return {
+        "w": jnp.array([[0.5, -1.0, 0.25], [1.5, 0.75, -0.5]], F32),
+        "b": jnp.array([0.125, -0.25, 0.5], F32),
+    }
+
+
+def small_batch():
+    x = jnp.array([[1.0, -2.0], [0.5, 0.25], [-1.5, 3.0], [2.0, 1.0]], F32)
+    y = jnp.array([[0.5, 0.0, -1.0], [1.0, 1.0, 0.0], [0.0, -0.5, 0.5], [1.5, 0.0, 0.25]], F32)
+    return x, y
+
+
+def loss_in(dtype):
+    """A squared error computed in `dtype`: params and inputs cast to it."""
+
+    def loss(params, x, y):
+        params, x, y = jls.cast_tree((params, x, y), dtype)
+        out = jnp.tanh(x @ params["w"] + params["b"])
+        return jnp.mean((out - y) ** 2)
+
+    return loss
+
+
+def dynamic_tx(inner=None, **kwargs):
+    loss_scale = jls.DynamicLossScale(**{"initial_loss_scale": 2.0**10, **kwargs})
+    return jls.loss_scaled(inner or optax.sgd(0.1), loss_scale), loss_scale
+
+
+# --- the value, bit for bit; the gradients, exactly -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F16, jnp.bfloat16, F32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**10, 2.0**15, 3.0])
+def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
+    dtype, scale, jit_or_eager
+):
+    tx, _ = dynamic_tx(initial_loss_scale=scale)
+    params, (x, y) = small_params(), small_batch()
+    opt_state = tx.init(params)
+    fun = loss_in(dtype)
+
+    def both(params, opt_state, x, y):
+        value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
+        own = fun(params, x, y)
+        s = jls.get_loss_scale(opt_state)
+        expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * s)(params)
+        return value, own, grads, expected
+
+    value, own, grads, expected = jit_or_eager(both, params, opt_state, x, y)
+    assert value.dtype == dtype
+    assert np.asarray(value).tobytes() == np.asarray(own).tobytes()
+    assert_bits_equal(grads, expected)
+    assert_bits_equal(grads, jax.tree.map(lambda g: g.astype(F32), grads))  # float32 params
+
+
+def test_value_of_a_float16_loss_stays_float16_and_is_not_rounded_through_the_scale():
+    """The value is `fun`'s float16 value, not one recovered from the scaled float32 product."""
+    fun = lambda p: jnp.sum(p.astype(F16))  # noqa: E731
+    params = jnp.array([1.0, 2.0**-10], F32)
+    value, grads = jls.value_and_grad(fun, jnp.float32(3.0))(params)
+    assert value.dtype == F16
+    assert np.asarray(value).tobytes() == np.asarray(jnp.float16(1.0 + 2.0**-10)).tobytes()
+    assert_bits_equal(grads, jnp.array([3.0, 3.0], F32))
+
+
+# --- mpx's two faults -------------------------------------------------------------------------
+
+
+def test_a_float16_loss_of_10_at_scale_2_15_gives_finite_gradients():
+    """mpx's fault (a): its loss * scale is taken in float16, where 10 * 2**15 is inf. Here the
+    product is taken in float32: the value is 10, the scaled gradients 2**15, the update -1."""
+    assert jnp.isinf(jnp.float16(10) * jnp.float16(2**15))  # the trap
+
+    fun = lambda p: jnp.sum(p["w"].astype(F16))  # noqa: E731  true gradients: all 1
+    params = {"w": jnp.array([1.0, 2.0, 3.0, 4.0], F32)}
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    opt_state = tx.init(params)
+    value, grads = jax.jit(lambda p, s: jls.value_and_grad(fun, s)(p))(params, opt_state)
+    assert value.dtype == F16
+    assert float(value) == 10.0
+    chex.assert_tree_all_finite(grads)
+    assert_bits_equal(grads, {"w": jnp.full(4, 2.0**15, F32)})
+    updates, opt_state = tx.update(grads, opt_state, params)
+    assert_bits_equal(updates, {"w": jnp.full(4, -1.0, F32)})
+    assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
+
+
+def test_on_growth_steps_the_gradients_applied_are_the_true_ones():
+    """mpx's fault (b): it unscales by the grown scale, applying half the true gradients. Here
+    the scale doubles on every step and sgd(1.0)'s updates are -true_grad exactly each time."""
+    x = jnp.array([0.75, -1.5, 3.0, 0.125], F32)
+    fun = lambda p, x: jnp.sum(p["w"].astype(F16) * x.astype(F16))  # noqa: E731
+    params = {"w": jnp.array([1.0, 0.5, -0.25, 2.0], F32)}
+    true_grad = jax.grad(lambda p: fun(p, x).astype(F32))(params)
+    assert_bits_equal(true_grad, {"w": x})
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**4, increment_period=1)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, updates
+
+    scales = []
+    for _ in range(8):
+        params, opt_state, updates = step(params, opt_state)
+        assert_bits_equal(updates, jax.tree.map(jnp.negative, true_grad))
+        scales.append(float(jls.get_loss_scale(opt_state)))
+    assert scales == [2.0**k for k in range(5, 13)]  # a growth on every step
+
+
+# --- where the scale comes from ---------------------------------------------------------------
+
+
+def test_opt_state_an_optax_state_with_loss_scaled_inside_a_chain():
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=64.0)),
+    )
+    params, (x, y) = small_params(), small_batch()
+    opt_state = tx.init(params)
+    fun = loss_in(F16)
+    _, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
+    expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * 64.0)(params)
+    assert_bits_equal(grads, expected)
+
+
+def nnx_forms(inner):
+    """A model, and its optimizer as the three forms `get_loss_scale` takes."""
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=128.0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    forms = {
+        "optimizer": optimizer,
+        "opt_state": optimizer.opt_state,
+        "nnx.state": nnx.state(optimizer),
+    }
+    return model, forms
+
+
+def check_nnx_form(model, opt_state):
+    x, y = small_batch()
+    fun = lambda m, x, y: jnp.mean((m(x.astype(F16)) - y) ** 2)  # noqa: E731
+    value, grads = jls.value_and_grad(fun, opt_state, using=nnx.value_and_grad)(model, x, y)
+    expected_value, expected = nnx.value_and_grad(lambda m: fun(m, x, y) * 128.0)(model)
+    assert value == fun(model, x, y)
+    assert expected_value == value * 128.0
+    assert_bits_equal(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected))
+
+
+@pytest.mark.parametrize("form", ["optimizer", "opt_state", "nnx.state"])
+def test_opt_state_a_flax_nnx_optimizer(form):
+    model, forms = nnx_forms(optax.adam(1e-3))
+    check_nnx_form(model, forms[form])
+
+
+@pytest.mark.parametrize("form", ["optimizer", "opt_state", "nnx.state"])
+def test_opt_state_a_flax_nnx_optimizer_whose_inner_state_is_empty(form):
+    """With optax.sgd (no momentum) inside, `nnx.state(optimizer)` holds no `inner_state`: nnx
+    drops the leafless EmptyState. The nnx.state form fails (library bug, reported): the lookup
+    wants inner_state, loss_scale_state and stats all present."""
+    model, forms = nnx_forms(optax.sgd(0.1))
+    check_nnx_form(model, forms[form])
+
+
+@pytest.mark.parametrize(
+    "scale", [jnp.float32(8.0), np.float32(8.0), np.array(8.0, np.float32)], ids=type
+)
+def test_opt_state_the_scale_itself(scale):
+    params, (x, y) = small_params(), small_batch()
+    fun = loss_in(F16)
+    value, grads = jls.value_and_grad(fun, scale)(params, x, y)
+    assert value == fun(params, x, y)
+    assert_bits_equal(grads, jax.grad(lambda p: fun(p, x, y).astype(F32) * 8.0)(params))
+
+
+def test_fun_not_callable_is_a_type_error():
+    with pytest.raises(TypeError, match=exactly("value_and_grad(fun=3): fun must be callable")):
+        jls.value_and_grad(3, jnp.float32(1.0))
+
+
+def test_using_not_callable_is_a_type_error():
+    message = (
+        "value_and_grad(using='jax'): using must be a value-and-grad transformation such as "
+        "jax.value_and_grad or eqx.filter_value_and_grad"
+    )
+    with pytest.raises(TypeError, match=exactly(message)):
+        jls.value_and_grad(jnp.sum, jnp.float32(1.0), using="jax")
+
+
+@pytest.mark.parametrize(
+    ("opt_state", "kind"),
+    [
+        ((optax.EmptyState(), optax.ScaleByAdamState(0, {}, {})), "tuple"),
+        ({"w": jnp.zeros(2)}, "dict"),
+        (2.0, "float"),
+        (None, "NoneType"),
+    ],
+    ids=["optax_state", "dict", "python_float", "none"],
+)
+def test_opt_state_without_loss_scaled_state_is_a_lookup_error(opt_state, kind):
+    message = (
+        f"value_and_grad: get_loss_scale: opt_state ({kind}) holds no LossScaledState; build the "
+        "optimizer with jax_lossscale.loss_scaled(inner, loss_scale); or pass the scale itself, "
+        "a float32 scalar array"
+    )
+    with pytest.raises(LookupError, match=exactly(message)):
+        jls.value_and_grad(jnp.sum, opt_state)
+
+
+def test_opt_state_from_plain_optax_is_a_lookup_error():
+    opt_state = optax.adam(1e-3).init(small_params())
+    with pytest.raises(LookupError, match="holds no LossScaledState"):
+        jls.value_and_grad(jnp.sum, opt_state)
+
+
+@pytest.mark.parametrize(
+    ("scale", "shown"),
+    [
+        (jnp.float16(8.0), "Array(8., dtype=float16)"),
+        (jnp.bfloat16(8.0), "Array(8, dtype=bfloat16)"),
+        (jnp.ones(2, F32), "Array([1., 1.], dtype=float32)"),
+        (jnp.int32(8), "Array(8, dtype=int32)"),
+    ],
+    ids=["float16", "bfloat16", "vector", "int32"],
+)
+def test_a_scale_of_the_wrong_dtype_or_shape_is_a_type_error(scale, shown):
+    message = (
+        f"value_and_grad(opt_state={shown}): a scale given directly must be a float32 scalar array"
+    )
+    with pytest.raises(TypeError, match=exactly(message)):
+        jls.value_and_grad(jnp.sum, scale)
+
+
+def test_fun_returning_a_non_scalar_is_a_type_error():
+    params = jnp.array([1.0, 2.0], F32)
+    with pytest.raises(TypeError) as info:
+        jls.value_and_grad(lambda p: p * 2, jnp.float32(1.0))(params)
+    assert str(info.value) == (
+        "value_and_grad: fun must return a real floating scalar, got "
+        "GradTracer(primal=[2. 4.], typeof(tangent)=f32[2])"
+    )
+    with pytest.raises(TypeError) as info:
+        jls.value_and_grad(lambda p: (p * 2, None), jnp.float32(1.0), has_aux=True)(params)
+    assert str(info.value).startswith(
+        "value_and_grad: fun must return a real floating scalar as the first element of "
+        "(value, aux), got GradTracer("
+    )
+
+
+@pytest.mark.parametrize(
+    ("fun", "shown"),
+    [
+        (lambda p: jnp.sum(p).astype(jnp.int32), "Array(3, dtype=int32)"),
+        (lambda p: 1.0, "1.0"),
+        (
+            lambda p: jnp.sum(p).astype(jnp.complex64),
+            "GradTracer(primal=(3+0j), typeof(tangent)=c64[])",
+        ),
+    ],
+    ids=["int32", "python_float", "complex"],
+)
+def test_fun_returning_a_non_floating_value_is_a_type_error(fun, shown):
+    with pytest.raises(TypeError) as info:
+        jls.value_and_grad(fun, jnp.float32(1.0))(jnp.array([1.0, 2.0], F32))
+    assert str(info.value) == f"value_and_grad: fun must return a real floating scalar, got {shown}"
+
+
+# --- argnums, has_aux, using ------------------------------------------------------------------
+
+
+def test_argnums_an_int_and_a_tuple():
+    fun = lambda a, b, c: jnp.sum(a.astype(F16) * b.astype(F16) * c.astype(F16))  # noqa: E731
+    a, b, c = jnp.float32(1.5), jnp.float32(2.0), jnp.float32(-3.0)
+    scale = jnp.float32(16.0)
+    value, grad_b = jls.value_and_grad(fun, scale, argnums=1)(a, b, c)
+    assert value == fun(a, b, c)
+    assert_bits_equal(grad_b, jnp.float32(1.5 * -3.0 * 16.0))
+    value, grads = jls.value_and_grad(fun, scale, argnums=(0, 2))(a, b, c)
+    assert value == fun(a, b, c)
+    assert_bits_equal(grads, (jnp.float32(2.0 * -3.0 * 16.0), jnp.float32(1.5 * 2.0 * 16.0)))
+    _, grads = jls.value_and_grad(fun, scale, argnums=(0,))(a, b, c)
+    assert_bits_equal(grads, (jnp.float32(2.0 * -3.0 * 16.0),))
+
+
+def test_has_aux_returns_value_and_aux_untouched():
+    params, (x, y) = small_params(), small_batch()
+
+    def fun(params, x, y):
+        loss = loss_in(F16)(params, x, y)
+        return loss, {"loss": loss, "count": jnp.int32(4), "name": "mse"}
+
+    (value, aux), grads = jls.value_and_grad(fun, jnp.float32(32.0), has_aux=True)(params, x, y)
+    assert np.asarray(value).tobytes() == np.asarray(fun(params, x, y)[0]).tobytes()
+    assert np.asarray(aux["loss"]).tobytes() == np.asarray(value).tobytes()
+    assert aux["count"] == 4
+    assert aux["name"] == "mse"
+    expected = jax.grad(lambda p: fun(p, x, y)[0].astype(F32) * 32.0)(params)
+    assert_bits_equal(grads, expected)
+
+
+def test_using_eqx_filter_value_and_grad_on_an_equinox_model():
+    model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
+    x, y = small_batch()
+
+    def fun(model, x, y):
+        half = POLICY.cast_to_compute(model)
+        out = jax.vmap(half)(POLICY.cast_to_compute(x))
+        return jls.full_precision(lambda o, y: jnp.mean((o - y) ** 2))(out, y)
+
+    (value, aux), grads = jls.value_and_grad(
+        lambda m, x, y: (fun(m, x, y), 7),
+        jnp.float32(256.0),
+        has_aux=True,
+        using=eqx.filter_value_and_grad,
+    )(model, x, y)
+    assert aux == 7
+    assert value.dtype == F32
+    assert value == fun(model, x, y)
+    expected = eqx.filter_grad(lambda m: fun(m, x, y) * 256.0)(model)
+    assert type(grads) is type(model)
+    assert grads.activation is None  # equinox's filtered gradients: None for non-arrays
+    assert_bits_equal(eqx.filter(grads, eqx.is_array), eqx.filter(expected, eqx.is_array))
+
+
+def test_using_nnx_value_and_grad_on_an_nnx_model_with_argnums():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+    x, y = small_batch()
+    fun = lambda x, m, y: jnp.mean((m(x.astype(F16)).astype(F32) - y) ** 2)  # noqa: E731
+    value, grads = jls.value_and_grad(fun, jnp.float32(64.0), argnums=1, using=nnx.value_and_grad)(
+        x, model, y
+    )
+    assert value == fun(x, model, y)
+    expected = nnx.grad(lambda m: fun(x, m, y) * 64.0)(model)
+    assert isinstance(grads, nnx.State)
+    assert_bits_equal(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected))
+
+
+# --- one trace for every step -----------------------------------------------------------------
+
+OVERFLOWS = {3, 4, 11, 17}  # steps whose targets hold an inf
+
+
+def poisoned_batches(steps, overflows, value=np.inf):
+    x, y = small_batch()
+    for step in range(steps):
+        yield x, (y.at[1, 0].set(value) if step in overflows else y)
+
+
+def test_a_jitted_donating_train_step_is_traced_once_over_20_steps():
+    tx, loss_scale = dynamic_tx(optax.adam(1e-2), increment_period=2)
+    params = small_params()
+    opt_state = tx.init(params)
+    fun = loss_in(F16)
+    traces = []
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @chex.assert_max_traces(n=1)
+    def train_step(params, opt_state, x, y):
+        traces.append(None)
+        value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    scales, values = [], []
+    for step, (x, y) in enumerate(poisoned_batches(20, OVERFLOWS)):
+        before = bits(params)
+        params, opt_state, value = train_step(params, opt_state, x, y)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        values.append(float(value))
+        if step in OVERFLOWS:
+            chex.assert_trees_all_equal(bits(params), before)
+    assert len(traces) == 1
+    finite = [step not in OVERFLOWS for step in range(20)]
+    assert scales == ReferenceLossScale.of(loss_scale).scales(finite)
+    assert len(set(scales)) > 2  # the scale moved both ways
+    assert [np.isfinite(v) for v in values] == finite
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == len(OVERFLOWS)
+
+
+AXIS, DEVICES = "d", 8
+DIST_OVERFLOWS = {1: 3, 4: 0}  # step: the device whose shard of the targets holds an inf
+
+
+def device_batches(steps):
+    """(steps, devices, 2, 2) inputs and (steps, devices, 2, 3) targets."""
+    key = jax.random.key(7)
+    x = jax.random.normal(key, (steps, DEVICES, 2, 2))
+    y = jax.random.normal(jax.random.fold_in(key, 1), (steps, DEVICES, 2, 3))
+    for step, device in DIST_OVERFLOWS.items():
+        y = y.at[step, device, 0, 1].set(jnp.inf)
+    return x, y
+
+
+def reference_run(steps, fun):
+    """The same steps on one device: the mean of the 8 devices' gradients, taken with vmap."""
+    xs, ys = device_batches(steps)
+    results = []
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(2.0**10, increment_period=2))
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.vmap(jax.grad(lambda p, x, y: fun(p, x, y).astype(F32) * scale), (None, 0, 0))(
+            params, x, y
+        )
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = small_params(), tx.init(small_params())
+    for s in range(steps):
+        params, opt_state = step(params, opt_state, xs[s], ys[s])
+        results.append((params, float(jls.get_loss_scale(opt_state))))
+    return results
+
+
+def distributed_tx():
+    loss_scale = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
+    return jls.loss_scaled(optax.sgd(0.1), loss_scale, axis_name=AXIS), loss_scale
+
+
+def test_under_pmap_one_trace_and_the_scale_agrees_on_every_device():
+    tx, loss_scale = distributed_tx()
+    fun = loss_in(F16)
+    traces = []
+
+    @functools.partial(jax.pmap, axis_name=AXIS, donate_argnums=(0, 1))
+    @chex.assert_max_traces(n=1)
+    def train_step(params, opt_state, x, y):
+        traces.append(None)
+        value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
+        grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    # Placed as pmap places its outputs: jax.pmap traces again when an argument's placement
+    # changes (from uncommitted to its output's sharding), with or without this library.
+    stack = lambda tree: jax.tree.map(lambda a: jnp.stack([a] * DEVICES), tree)  # noqa: E731
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), (AXIS,)), PartitionSpec(AXIS))
+    params, opt_state = jax.device_put(stack((small_params(), tx.init(small_params()))), sharding)
+    xs, ys = device_batches(6)
+    reference = reference_run(6, fun)
+    scales = []
+    for step in range(6):
+        params, opt_state, values = train_step(params, opt_state, xs[step], ys[step])
+        scale = np.asarray(jls.get_loss_scale(opt_state))
+        assert (scale == scale[0]).all()
+        scales.append(float(scale[0]))
+        for leaf in jax.tree.leaves(params):
+            assert (np.asarray(leaf) == np.asarray(leaf)[0]).all()  # every device the same
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda a: a[0], params), reference[step][0], rtol=1e-4
+        )
+        if step in DIST_OVERFLOWS:
+            assert not np.isfinite(np.asarray(values)[DIST_OVERFLOWS[step]])
+    assert len(traces) == 1
+    finite = [step not in DIST_OVERFLOWS for step in range(6)]
+    assert scales == ReferenceLossScale.of(loss_scale).scales(finite)
+    assert scales == [r[1] for r in reference]
+
+
+def test_under_shard_map_one_trace_and_the_scale_agrees():
+    """Params and state replicated, the batch sharded; `fun` means the loss over the axis (in
+    float32), so that the value is the global loss and the gradients (of replicated params,
+    summed by shard_map's transpose) the global gradients."""
+    tx, loss_scale = distributed_tx()
+    local = loss_in(F16)
+    fun = lambda p, x, y: jax.lax.pmean(local(p, x, y).astype(F32), AXIS)  # noqa: E731
+    traces = []
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    replicated, sharded = PartitionSpec(), PartitionSpec(AXIS)
+
+    @chex.assert_max_traces(n=1)
+    def per_device(params, opt_state, x, y):
+        traces.append(None)
+        value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    train_step = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(replicated, replicated, sharded, sharded),
+            out_specs=replicated,
+        ),
+        donate_argnums=(0, 1),
+    )
+    # Placed as the step places its outputs: jax.jit traces again when that changes.
+    params, opt_state = jax.device_put(
+        (small_params(), tx.init(small_params())), NamedSharding(mesh, replicated)
+    )
+    xs, ys = device_batches(6)
+    reference = reference_run(6, local)
+    scales, values = [], []
+    for step in range(6):
+        x, y = xs[step].reshape(-1, 2), ys[step].reshape(-1, 3)
+        params, opt_state, value = train_step(params, opt_state, x, y)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        values.append(float(value))
+        # The params are cast to float16 before they meet the sharded batch, so shard_map's
+        # transpose sums the 8 devices' gradients in float16: close to the reference, not equal.
+        chex.assert_trees_all_close(params, reference[step][0], rtol=2e-3)
+    assert len(traces) == 1
+    finite = [step not in DIST_OVERFLOWS for step in range(6)]
+    assert scales == ReferenceLossScale.of(loss_scale).scales(finite)
+    assert [np.isfinite(v) for v in values] == finite
+
+
+# --- bit-identical to the hand-written steps it replaces ---------------------------------------
+
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 32, 32, 4, 2, 8, 4
+STEPS, POISONED_STEP = 10, 4  # the step whose loss weights hold an inf: skipped
+
+
+def gpt_batches():
+    """Tokens, next tokens and per-sequence loss weights (the same batch every step, to be
+    learned by heart); an inf weight on POISONED_STEP."""
+    tokens = jax.random.randint(jax.random.key(3), (BATCH, SEQ + 1), 0, VOCAB)
+    for step in range(STEPS):
+        weights = jnp.ones(BATCH, F32)
+        if step == POISONED_STEP:
+            weights = weights.at[2].set(jnp.inf)
+        yield tokens[:, :-1], tokens[:, 1:], weights
+
+
+class Block(nnx.Module):
+    """A pre-LayerNorm decoder block; its params are float32, its compute that of its inputs."""
+
+    def __init__(self, rngs):
+        self.norm1 = nnx.LayerNorm(DIM, rngs=rngs)
+        self.qkv = nnx.Linear(DIM, 3 * DIM, rngs=rngs)
+        self.out = nnx.Linear(DIM, DIM, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(DIM, rngs=rngs)
+        self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
+        self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
+
+    def __call__(self, x, softmax32):
+        qkv = self.qkv(self.norm1(x))
+        q, k, v = jnp.split(qkv.reshape(*qkv.shape[:-1], 3 * HEADS, DIM // HEADS), 3, axis=-2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(DIM // HEADS).astype(x.dtype)
+        weights = softmax32(scores, jnp.tril(jnp.ones((SEQ, SEQ), bool)))
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+        x = x + self.out(attended)
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (SEQ, DIM)))
+        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+        self.norm = nnx.LayerNorm(DIM, rngs=rngs)
+        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens, softmax32):
+        x = self.embed(tokens) + self.positions[...]
+        for block in self.blocks:
+            x = block(x, softmax32)
+        return self.head(self.norm(x))
+
+
+def weighted_cross_entropy(logits, targets, weights):
+    per_sequence = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
+    return jnp.sum(weights * per_sequence) / BATCH
+
+
+def masked_softmax(scores, mask):
+    return jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+
+
+def gpt_loss_with_policy(model, tokens, targets, weights):
+    """The float16 forward pass through a Policy, its float32 islands through full_precision."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    half = nnx.merge(graphdef, POLICY.cast_to_compute(params), rest)
+    softmax32 = jls.full_precision(masked_softmax, output_dtype=POLICY.compute_dtype)
+    logits = half(tokens, softmax32)
+    return jls.full_precision(weighted_cross_entropy)(logits, targets, weights)
+
+
+def gpt_loss_by_hand(model, tokens, targets, weights):
+    """The same, written with .astype."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    half = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(F16), params), rest)
+    softmax32 = lambda s, m: masked_softmax(s.astype(F32), m).astype(F16)  # noqa: E731
+    logits = half(tokens, softmax32)
+    return weighted_cross_entropy(logits.astype(F32), targets, weights)
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def gpt_step_with_value_and_grad(model, optimizer, tokens, targets, weights):
+    loss, grads = jls.value_and_grad(gpt_loss_with_policy, optimizer, using=nnx.value_and_grad)(
+        model, tokens, targets, weights
+    )
+    optimizer.update(model, grads)
+    return loss
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def gpt_step_by_hand(model, optimizer, tokens, targets, weights):
+    scale = jls.get_loss_scale(optimizer)
+
+    def scaled_loss(model):
+        loss = gpt_loss_by_hand(model, tokens, targets, weights)
+        return loss.astype(F32) * scale, loss
+
+    grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def gpt_run(step):
+    model = GPT(nnx.Rngs(0))
+    loss_scale = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
+    tx = jls.loss_scaled(optax.adamw(3e-3, weight_decay=1e-2), loss_scale)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    losses, scales = [], []
+    for tokens, targets, weights in gpt_batches():
+        losses.append(step(model, optimizer, tokens, targets, weights))
+        scales.append(float(jls.get_loss_scale(optimizer)))
+    return model, optimizer, losses, scales, loss_scale
+
+
+def test_nnx_gpt_steps_bit_identical_to_the_hand_written_ones():
+    model, optimizer, losses, scales, loss_scale = gpt_run(gpt_step_with_value_and_grad)
+    hand_model, hand_optimizer, hand_losses, hand_scales, _ = gpt_run(gpt_step_by_hand)
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype(F32)}
+    assert_bits_equal(losses, hand_losses)
+    assert scales == hand_scales
+    finite = [step != POISONED_STEP for step in range(STEPS)]
+    assert scales == ReferenceLossScale.of(loss_scale).scales(finite)
+    assert [bool(np.isfinite(loss)) for loss in losses] == finite
+    assert int(jls.get_loss_scale_stats(optimizer).skipped_steps) == 1
+    assert int(jls.get_loss_scale_stats(hand_optimizer).skipped_steps) == 1
+    assert float(losses[-1]) < float(losses[0])
+    assert_bits_equal(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(hand_model)))
+    assert_bits_equal(
+        nnx.to_pure_dict(nnx.state(optimizer)), nnx.to_pure_dict(nnx.state(hand_optimizer))
+    )
+
+
+class MLP(eqx.Module):
+    layers: tuple
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.layers = (
+            eqx.nn.Linear(8, 32, key=keys[0]),
+            eqx.nn.Linear(32, 32, key=keys[1]),
+            eqx.nn.Linear(32, 4, key=keys[2]),
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+def mlp_batches():
+    key = jax.random.key(5)
+    for step in range(STEPS):
+        x = jax.random.normal(jax.random.fold_in(key, step), (16, 8))
+        y = jnp.sin(x[:, :4] * 2.0)
+        if step == POISONED_STEP:
+            x = x.at[3, 5].set(jnp.nan)
+        yield x, y
+
+
+def mlp_loss_with_policy(model, x, y):
+    out = jax.vmap(POLICY.cast_to_compute(model))(POLICY.cast_to_compute(x))
+    return jls.full_precision(lambda o, y: jnp.mean((o - y) ** 2))(out, y)
+
+
+def mlp_loss_by_hand(model, x, y):
+    half = jax.tree.map(lambda a: a.astype(F16) if eqx.is_inexact_array(a) else a, model)
+    out = jax.vmap(half)(x.astype(F16))
+    return jnp.mean((out.astype(F32) - y) ** 2)
+
+
+def mlp_step(tx, by_hand):
+    @eqx.filter_jit(donate="all")
+    def step(model, opt_state, x, y):
+        if by_hand:
+            scale = jls.get_loss_scale(opt_state)
+
+            def scaled_loss(model):
+                loss = mlp_loss_by_hand(model, x, y)
+                return loss.astype(F32) * scale, loss
+
+            grads, loss = eqx.filter_grad(scaled_loss, has_aux=True)(model)
+        else:
+            loss, grads = jls.value_and_grad(
+                mlp_loss_with_policy, opt_state, using=eqx.filter_value_and_grad
+            )(model, x, y)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def mlp_run(by_hand):
+    loss_scale = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
+    tx = jls.loss_scaled(optax.adamw(3e-3, weight_decay=1e-2), loss_scale)
+    model = MLP(jax.random.key(0))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    step = mlp_step(tx, by_hand)
+    losses, scales = [], []
+    for x, y in mlp_batches():
+        model, opt_state, loss = step(model, opt_state, x, y)
+        losses.append(loss)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+    return model, opt_state, losses, scales, loss_scale
+
+
+def test_equinox_mlp_steps_bit_identical_to_the_hand_written_ones():
+    model, opt_state, losses, scales, loss_scale = mlp_run(by_hand=False)
+    hand_model, hand_opt_state, hand_losses, hand_scales, _ = mlp_run(by_hand=True)
+    assert_bits_equal(losses, hand_losses)
+    assert scales == hand_scales
+    finite = [step != POISONED_STEP for step in range(STEPS)]
+    assert scales == ReferenceLossScale.of(loss_scale).scales(finite)
+    assert [bool(np.isfinite(loss)) for loss in losses] == finite
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+    assert float(losses[-1]) < float(losses[0])
+    assert_bits_equal(eqx.filter(model, eqx.is_array), eqx.filter(hand_model, eqx.is_array))
+    assert_bits_equal(opt_state, hand_opt_state)
