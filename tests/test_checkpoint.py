@@ -463,3 +463,109 @@ def test_flax_serialization_round_trips_a_linen_train_state_mid_hysteresis():
     final = _run(step, params, opt_state, range(save_after + 1, STEPS))
     resumed = _run(step, restored.params, restored.opt_state, range(save_after + 1, STEPS))
     _assert_bitwise_equal(resumed[:2], final[:2])
+
+
+def _sgd_nesterov() -> optax.GradientTransformation:
+    return optax.sgd(1e-2, momentum=0.9, nesterov=True)
+
+
+def _clip_adamw_schedule() -> optax.GradientTransformation:
+    schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-2))
+
+
+EXPECTED_COUNTS = {
+    "adam": 1,
+    "sgd_nesterov": 0,
+    "chain_clip_adamw_schedule": 2,
+}  # adamw's, schedule's
+BARE_INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "sgd_nesterov": _sgd_nesterov,
+    "chain_clip_adamw_schedule": _clip_adamw_schedule,
+}
+
+
+def _bare_run(inner, params, opt_state, steps):
+    """The bare optimizer on the true gradients of the finite steps among `steps`."""
+
+    @jax.jit
+    def step(params, opt_state, x):
+        updates, opt_state = inner.update(jax.grad(_loss)(params, x), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for t in steps:
+        if t not in NON_FINITE:
+            params, opt_state = step(params, opt_state, XS[t])
+    return params, opt_state
+
+
+def _assert_close_with_equal_counts(actual, expected):
+    chex.assert_trees_all_equal_structs(actual, expected)
+    chex.assert_trees_all_equal_dtypes(actual, expected)
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        if jnp.issubdtype(want.dtype, jnp.integer):
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _save_and_restore(path, tree, target):
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+        return checkpointer.restore(path, target)
+
+
+@pytest.mark.parametrize("inner_name", list(BARE_INNERS))
+def test_a_checkpoint_saved_without_loss_scaling_continues_inside_it(tmp_path, inner_name):
+    """docs/checkpoints.md: `tx.init(params)._replace(inner_state=restored)` takes a bare optax
+    checkpoint into loss scaling. The steps that follow (6, 8 and 9 overflow) give the params
+    and optimizer state of the bare optimizer run on the finite steps alone: the skips and the
+    counts exactly, the values to rounding (XLA fuses the unscale into the update)."""
+    inner = BARE_INNERS[inner_name]()
+    params = _initial_params()
+    params, bare_state = _bare_run(inner, params, inner.init(params), range(5))
+    target = {"params": params, "opt_state": jax.eval_shape(inner.init, params)}
+    restored = _save_and_restore(
+        tmp_path / "bare", {"params": params, "opt_state": bare_state}, target
+    )
+    _assert_bitwise_equal(restored["opt_state"], bare_state)
+
+    tx = jls.loss_scaled(inner, _loss_scale())
+    opt_state = tx.init(restored["params"])._replace(inner_state=restored["opt_state"])
+    step, traces = _jitted_step(tx)
+    scaled_params, opt_state, scales = _run(step, restored["params"], opt_state, range(5, 10))
+
+    expected_params, expected_state = _bare_run(inner, params, bare_state, range(5, 10))
+    assert scales == [1024.0] * 4 + [512.0]  # the loss scale starts afresh: 3 overflows, a backoff
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 3
+    _assert_close_with_equal_counts(
+        (scaled_params, opt_state.inner_state), (expected_params, expected_state)
+    )
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("inner_name", list(BARE_INNERS))
+def test_leaving_loss_scaling_keeps_the_optimizer_state_of_the_applied_steps(tmp_path, inner_name):
+    """docs/checkpoints.md: `opt_state.inner_state`, saved alone, restores into the bare
+    optimizer, which continues as if it had run on the applied (finite) steps only."""
+    inner = BARE_INNERS[inner_name]()
+    tx = jls.loss_scaled(inner, _loss_scale())
+    step, _ = _jitted_step(tx)
+    params, opt_state, _ = _run(step, _initial_params(), tx.init(_initial_params()), range(10))
+    restored = _save_and_restore(
+        tmp_path / "unscaled", opt_state.inner_state, jax.eval_shape(inner.init, params)
+    )
+
+    resumed_params, resumed_state = _bare_run(inner, params, restored, range(10, STEPS))
+    expected_params, expected_state = _bare_run(
+        inner, _initial_params(), inner.init(_initial_params()), range(STEPS)
+    )
+    _assert_close_with_equal_counts(
+        (resumed_params, resumed_state), (expected_params, expected_state)
+    )
+    counts = [leaf for leaf in jax.tree.leaves(resumed_state) if leaf.dtype == jnp.int32]
+    assert [int(count) for count in counts] == [STEPS - len(NON_FINITE)] * EXPECTED_COUNTS[
+        inner_name
+    ]
