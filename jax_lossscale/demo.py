@@ -217,7 +217,7 @@ def _make_task(seed: int) -> tuple[jax.Array, jax.Array, Params]:
 
 def _loss(params: Params, x: jax.Array, y: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """Mean squared error of the MLP computed in `dtype`, returned in float32."""
-    p = {name: value.astype(dtype) for name, value in params.items()}
+    p = jls.cast_tree(params, dtype)
     h = jnp.tanh(x.astype(dtype) @ p["w1"] + p["b1"])
     h = jnp.tanh(h @ p["w2"] + p["b2"])
     prediction = (h @ p["w3"] + p["b3"]).astype(jnp.float32)
@@ -241,12 +241,7 @@ def _train_step(
 ) -> tuple[Params, optax.OptState, _StepLog]:
     scaled = run.loss_scale is not None
     scale = jls.get_loss_scale(opt_state) if scaled else jnp.ones([], jnp.float32)
-
-    def scaled_loss(params: Params) -> tuple[jax.Array, jax.Array]:
-        loss = _loss(params, x, y, run.dtype)
-        return loss * scale, loss
-
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    loss, grads = jls.value_and_grad(_loss, scale)(params, x, y, run.dtype)
     # The gradients with respect to the float32 parameters are the float16 ones cast up:
     # they have the same zeros.
     leaves = jax.tree.leaves(grads)
