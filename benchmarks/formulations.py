@@ -20,6 +20,11 @@ import jax_lossscale as jls
 from benchmarks.run import Runner, block_medians, params_and_grads
 
 SCALE = 2.0**15
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "sgd": lambda: optax.sgd(1e-3),
+    "sgd_nesterov": lambda: optax.sgd(1e-3, momentum=0.9, nesterov=True),
+}
 
 
 def _finite_by_sums(tree):
@@ -51,6 +56,26 @@ def formulations(inner):
         updates = jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates)
         new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, inner_state)
         return optax.apply_updates(params, updates), (new_state, scale)
+
+    def select_updates_and_state(params, state, grads):
+        # Branch-free inside the optax API: the updates and the state selected, returned.
+        inner_state, scale = state
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = _finite_by_sums(grads)
+        updates, new_state = inner.update(grads, inner_state, params)
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, -0.0), updates)
+        new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, inner_state)
+        return optax.apply_updates(params, updates), (new_state, scale)
+
+    def select_with_booleans(params, state, grads):
+        # jmp's pattern: isfinite(x).all() per leaf, the new params and state selected.
+        inner_state, scale = state
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = _finite_by_booleans(grads)
+        updates, new_state = inner.update(grads, inner_state, params)
+        new_params = optax.apply_updates(params, updates)
+        select = lambda a, b: jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)  # noqa: E731
+        return select(new_params, params), (select(new_state, inner_state), scale)
 
     def cond_on_state_select_updates(params, state, grads):
         # The state under a cond, the updates selected outside it.
@@ -122,6 +147,8 @@ def formulations(inner):
         "cond, check by booleans": (cond_with_booleans, with_scale, True),
         "cond on state, select updates": (cond_on_state_select_updates, with_scale, True),
         "select everything (no cond)": (select_everything, with_scale, True),
+        "select updates and state (no cond)": (select_updates_and_state, with_scale, True),
+        "select, check by booleans (jmp)": (select_with_booleans, with_scale, True),
         "unscale alone (invalid)": (unscale_alone, with_scale, True),
         "cond alone (no check; invalid)": (cond_without_check, with_scale, True),
         "check alone (no skip; invalid)": (check_without_skip, with_scale, True),
@@ -136,7 +163,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument(
-        "--optimizer", default="adam", choices=["adam", "sgd"], help="the inner optimizer"
+        "--optimizer", default="adam", choices=list(OPTIMIZERS), help="the inner optimizer"
     )
     parser.add_argument(
         "--compile",
@@ -146,7 +173,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
-    inner = {"adam": optax.adam, "sgd": optax.sgd}[args.optimizer](1e-3)
+    inner = OPTIMIZERS[args.optimizer]()
     if args.compile:
         return _compile_times(inner, args)
     params, grads = params_and_grads(args.params, args.leaves)

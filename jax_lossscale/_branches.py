@@ -24,14 +24,17 @@ def apply_or_skip(
     inner_update: Callable[[], tuple[optax.Updates, optax.OptState]],
     inner_state: optax.OptState,
     nan_search: Callable[[], jax.Array],
+    select: bool = False,
 ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
     """`(updates, inner_state, had_nan)` of `inner_update()` where `apply`, else of a skip.
 
     A skip returns updates of -0.0, the additive identity of every float (so that
     `optax.apply_updates` keeps the params' bits, signed zeros included), the inner
-    state as it was, and `nan_search()`, which runs on skipped steps only. An `apply`
-    concrete when traced (eagerly) takes its branch with no `cond`; under `jit` even a
-    FixedLossScale's constant true is a tracer, and XLA folds the `cond` on it.
+    state as it was, and `nan_search()`. With `select` (see `skips_by_select`) both
+    are chosen by `jnp.where`, otherwise by a `cond` whose skip branch alone runs the
+    NaN search. An `apply` concrete when traced (eagerly) takes its branch with no
+    `cond`; under `jit` even a FixedLossScale's constant true is a tracer, and XLA
+    folds the `cond` on it.
     """
     applied_types: tuple[PyTree, PyTree] | None = None
 
@@ -53,12 +56,62 @@ def apply_or_skip(
             nan_search(),
         )
 
+    if select and isinstance(apply, jax.core.Tracer):
+        return _selected(apply, inner_update, inner_state, nan_search)
     if isinstance(apply, jax.core.Tracer):
         return cast(
             tuple[optax.Updates, optax.OptState, jax.Array],
             jax.lax.cond(apply, applied, skipped),
         )
     return applied() if apply else skipped()
+
+
+def _selected(
+    apply: jax.Array,
+    inner_update: Callable[[], tuple[optax.Updates, optax.OptState]],
+    inner_state: optax.OptState,
+    nan_search: Callable[[], jax.Array],
+) -> tuple[optax.Updates, optax.OptState, jax.Array]:
+    """The skip as selects: the inner update runs on every step, and where `apply` is
+    false its updates are -0.0 and its state the old one. XLA fuses the selects into the
+    update and into `optax.apply_updates`, so nothing is written twice."""
+    new_updates, new_inner_state = inner_update()
+    updates_type, state_type = _branch_types(inner_state, new_updates, new_inner_state)
+    updates = jax.tree.map(
+        lambda new, type_: jnp.where(apply, new, _negative_zeros(type_)), new_updates, updates_type
+    )
+    kept = jax.tree.map(
+        lambda new, old: jnp.where(apply, new, old),
+        _as_types(new_inner_state, state_type),
+        _as_types(inner_state, state_type),
+    )
+    return updates, kept, _nan_on_skip(apply, nan_search)
+
+
+def _nan_on_skip(apply: jax.Array, nan_search: Callable[[], jax.Array]) -> jax.Array:
+    """`nan_search()` where `apply` is false, else false. On a CPU under a `cond`, which runs
+    the search on skipped steps only; elsewhere selected, computed on every step by a
+    reduction that XLA fuses with the finite check's, so the step holds no conditional."""
+    no_nan = jnp.zeros_like(jax.eval_shape(nan_search))
+
+    def on_cpu(apply: jax.Array) -> jax.Array:
+        return jax.lax.cond(apply, lambda: no_nan, nan_search)
+
+    def elsewhere(apply: jax.Array) -> jax.Array:
+        return jnp.where(apply, no_nan, nan_search())
+
+    return cast(jax.Array, jax.lax.platform_dependent(apply, cpu=on_cpu, default=elsewhere))
+
+
+def skips_by_select(inner_state: optax.OptState, grads: PyTree) -> bool:
+    """Whether to skip with selects rather than a `cond`: when the inner state's arrays
+    (its scalars, such as step counts, aside) hold no more entries than the gradients:
+    sgd with or without momentum, with a schedule or clipping, lion. Such an update is
+    cheap, so computing it on a skipped step costs little, and selects fused into it keep
+    the updates out of memory; a larger state (adam's two moments) is cheaper to leave
+    untouched under a `cond` than to select."""
+    state_size = sum(np.size(leaf) for leaf in jax.tree.leaves(inner_state) if np.ndim(leaf))
+    return state_size <= sum(np.size(leaf) for leaf in jax.tree.leaves(grads))
 
 
 def _branch_types(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply
-from jax_lossscale._branches import apply_or_skip
+from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import any_nan, global_norm_and_finite
@@ -137,7 +137,11 @@ def loss_scaled(
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
         new_updates, inner_state, had_nan = apply_or_skip(
-            apply, inner_update, state.inner_state, lambda: any_nan(scaled_grads)
+            apply,
+            inner_update,
+            state.inner_state,
+            lambda: any_nan(scaled_grads),
+            select=skips_by_select(state.inner_state, scaled_grads),
         )
         if axis_name is not None:  # outside the cond: a collective there could wait forever
             had_nan = jax.lax.pmax(had_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)

@@ -1,4 +1,5 @@
-"""Apply or skip (`_branches`): inner states that change dtype across an update, joined into the
+"""Apply or skip (`_branches`): a skip by `cond` or by selects, bit for bit alike; inner states
+that change dtype across an update, joined into the
 dtype that holds the old and the new values exactly, as bare optax accepts them."""
 
 import re
@@ -11,7 +12,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._branches import holds_exactly
+from jax_lossscale._branches import apply_or_skip, holds_exactly, skips_by_select
 
 from helpers import assert_bits_equal
 
@@ -206,3 +207,106 @@ def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():
         ),
     ):
         tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+SKIP_FORMS = {
+    "sgd": (lambda: optax.sgd(0.1), True),
+    "sgd_momentum": (lambda: optax.sgd(0.1, momentum=0.9), True),
+    "sgd_nesterov": (lambda: optax.sgd(0.1, momentum=0.9, nesterov=True), True),
+    "clipped_sgd_momentum": (
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)),
+        True,
+    ),
+    "scheduled_sgd_nesterov": (
+        lambda: optax.sgd(optax.cosine_decay_schedule(0.1, 100), momentum=0.9, nesterov=True),
+        True,
+    ),
+    "lion": (lambda: optax.lion(1e-3), True),
+    "adam": (lambda: optax.adam(1e-3), False),
+    "adamw": (lambda: optax.adamw(1e-3), False),
+    "multi_steps_sgd": (lambda: optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), True),
+    "multi_steps_sgd_momentum": (
+        lambda: optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize(("make_inner", "by_select"), SKIP_FORMS.values(), ids=SKIP_FORMS.keys())
+def test_inner_states_no_larger_than_the_gradients_skip_by_selects(make_inner, by_select):
+    """sgd's momentum (and lion's) is one entry per gradient entry, step counts aside:
+    selects; adam's two moments, MultiSteps' accumulator beside a momentum, are more: a `cond`."""
+    grads = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
+    assert skips_by_select(make_inner().init(grads), grads) is by_select
+
+
+@pytest.mark.parametrize("make_inner", [v[0] for v in SKIP_FORMS.values()], ids=SKIP_FORMS.keys())
+def test_a_skip_by_selects_gives_the_bits_of_a_skip_by_cond(make_inner):
+    """`apply_or_skip` with `select=True` and with `select=False`, jitted, on an applied step,
+    a NaN step and an inf step: the same updates (-0.0 on a skip), the same inner state (the
+    old one, bit for bit, on a skip) and the same NaN flag."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.full((3,), 0.5)}
+    inner = make_inner()
+    state = inner.update(params, inner.init(params), params)[1]  # momentum already nonzero
+
+    @jax.jit
+    def both(grads, apply):
+        def run(select):
+            return apply_or_skip(
+                apply,
+                lambda: inner.update(grads, state, params),
+                state,
+                lambda: jnp.any(jnp.isnan(grads["w"])),
+                select=select,
+            )
+
+        return run(True), run(False)
+
+    finite = {"w": jnp.full((4, 3), 0.25), "b": jnp.full((3,), -2.0)}
+    nan = {"w": finite["w"].at[1, 2].set(jnp.nan), "b": finite["b"]}
+    inf = {"w": finite["w"], "b": finite["b"].at[0].set(jnp.inf)}
+    for grads, apply, had_nan in ((finite, True, False), (nan, False, True), (inf, False, False)):
+        by_select, by_cond = both(grads, jnp.asarray(apply))
+        assert_bits_equal(by_select, by_cond)
+        assert bool(by_select[2]) is had_nan
+        if not apply:
+            assert_bits_equal(by_select[1], state)
+            assert all(
+                np.all(np.signbit(u)) and not np.any(u) for u in jax.tree.leaves(by_select[0])
+            )
+
+
+@pytest.mark.parametrize("jit_or_eager", [jax.jit, lambda f: f], ids=["jit", "eager"])
+def test_sgd_with_momentum_skips_nan_and_inf_batches_keeping_every_bit(jit_or_eager):
+    """Through `loss_scaled` (which skips sgd by selects), donated under jit: the params and
+    the momentum after a NaN and an inf batch are those before them, bit for bit, the counters
+    say which was which, and the scale halves twice."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.1, momentum=0.9, nesterov=True), jls.DynamicLossScale(initial_loss_scale=8.0)
+    )
+    traces = []
+
+    def step(params, opt_state, grads):
+        traces.append(None)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1)) if jit_or_eager is jax.jit else step
+    params = {"w": jnp.array([1.0, -2.0, 0.0]), "h": jnp.array([0.5, -0.5], jnp.float16)}
+    opt_state = tx.init(params)
+    finite = {"w": jnp.array([8.0, 4.0, -8.0]), "h": jnp.array([2.0, 8.0], jnp.float16)}
+    params, opt_state = step(params, opt_state, finite)
+    before = jax.tree.map(np.asarray, (params, opt_state.inner_state))
+    bad_batches = (
+        {"w": finite["w"].at[0].set(jnp.nan), "h": finite["h"]},
+        {"w": finite["w"], "h": finite["h"].at[1].set(jnp.inf)},
+    )
+    for grads in bad_batches:
+        params, opt_state = step(params, opt_state, grads)
+    assert_bits_equal((params, opt_state.inner_state), before)
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert float(stats.loss_scale) == 2.0
+    assert (int(stats.skipped_steps), int(stats.nan_skipped_steps)) == (2, 1)
+    assert int(stats.inf_skipped_steps) == 1
+    if jit_or_eager is jax.jit:
+        assert len(traces) == 1
