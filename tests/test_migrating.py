@@ -1,0 +1,403 @@
+"""Migrating (docs/migrating.md): every jmp name mapped and run beside jmp 0.0.4, jmp's loss
+scales with and without skipping fed a NaN and an inf batch, flax's `DynamicScale` step beside
+the `loss_scaled` step that replaces it, and runs checkpointed by jmp or flax resumed inside a
+`LossScaledState`.
+
+"Step for step" below means the scale after every step and the decision to skip are equal;
+params are compared to rounding (rtol 1e-6): the peers unscale by a multiplication or a
+division of their own, which XLA fuses differently, so the last bit of an update may differ.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax.training.dynamic_scale import DynamicScale
+
+import jax_lossscale as jls
+
+from helpers import assert_bits_equal
+
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+# --- jmp's casting names: an import swap ------------------------------------------------------
+
+
+def jmp_users_casting_code(mp):
+    """Code written against jmp, run with `mp` as the module: every casting name jmp has."""
+    policy = mp.get_policy("params=float32,compute=half,output=float32")
+    params = {"w": jnp.full((2, 3), 1.5, jnp.float32), "step": jnp.int32(7)}
+    compute_params = policy.cast_to_compute(params)
+    output = policy.cast_to_output(compute_params["w"] * 3)
+    short = mp.get_policy("p=f32,c=bf16")
+    explicit = mp.Policy(jnp.float32, jnp.float16, jnp.float16)
+    finite = {"a": jnp.ones(2), "b": jnp.ones(3, jnp.float16)}
+    return {
+        "dtypes": [
+            (np.dtype(p.param_dtype), np.dtype(p.compute_dtype), np.dtype(p.output_dtype))
+            for p in (policy, short, explicit, policy.with_output_dtype(jnp.bfloat16))
+        ],
+        "compute_params": compute_params,
+        "params_back": policy.cast_to_param(compute_params),
+        "output": output,
+        "full": mp.cast_to_full({"h": jnp.full(2, 0.1, jnp.float16), "i": jnp.arange(2)}),
+        "half": mp.cast_to_half({"f": jnp.full(2, 0.1), "i": jnp.arange(2)}),
+        "half_dtype": np.dtype(mp.half_dtype()),
+        "all_finite": [
+            mp.all_finite(finite),
+            mp.all_finite({**finite, "c": jnp.array([1.0, jnp.inf])}),
+            mp.all_finite({**finite, "c": jnp.array([jnp.nan], jnp.float16)}),
+            mp.all_finite({}),
+        ],
+    }
+
+
+def test_jmps_casting_code_runs_unchanged_with_jax_lossscale_as_jmp():
+    """`import jax_lossscale as jmp`: jmp's `Policy`, `get_policy` (long and short keys,
+    `half`), `cast_to_param/compute/output`, `with_output_dtype`, `cast_to_full`,
+    `cast_to_half`, `half_dtype` and `all_finite` give jmp's results, dtypes and bits."""
+    ours, theirs = jmp_users_casting_code(jls), jmp_users_casting_code(jmp)
+    assert ours["dtypes"] == theirs["dtypes"]
+    assert ours["dtypes"][0] == (np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))
+    assert ours["half_dtype"] == theirs["half_dtype"] == np.dtype("float16")
+    for key in ("compute_params", "params_back", "output", "full", "half"):
+        chex.assert_trees_all_equal_dtypes(ours[key], theirs[key])
+        assert_bits_equal(ours[key], theirs[key])
+    assert [bool(x) for x in ours["all_finite"]] == [True, False, False, True]
+    assert [bool(x) for x in theirs["all_finite"]] == [True, False, False, True]
+
+
+def test_each_library_parses_the_others_policy_string():
+    """jmp writes full precision as "full", jax_lossscale as "f32"; each `get_policy` reads
+    the other's `str(policy)` back to the same dtypes."""
+    for spec in ("p=f32,c=f16,o=f32", "params=float32,compute=bfloat16", "half"):
+        ours, theirs = jls.get_policy(spec), jmp.get_policy(spec)
+        assert jls.get_policy(str(theirs)) == ours
+        back = jmp.get_policy(str(ours))
+        assert (back.param_dtype, back.compute_dtype, back.output_dtype) == (
+            theirs.param_dtype,
+            theirs.compute_dtype,
+            theirs.output_dtype,
+        )
+
+
+# --- jmp's loss scales --------------------------------------------------------------------------
+
+
+def loss(params, x):
+    return jnp.sum(params["w"] * x) + 0.5 * jnp.sum(params["w"] ** 2)
+
+
+X_FINITE = jnp.array([0.5, -1.0, 2.0])
+X_NAN = jnp.array([0.5, jnp.nan, 2.0])
+X_INF = jnp.array([jnp.inf, -1.0, 2.0])
+BATCHES = (X_FINITE, X_FINITE, X_NAN, X_FINITE, X_INF, X_FINITE, X_FINITE, X_FINITE)
+PARAMS = {"w": jnp.array([1.0, -2.0, 0.25])}
+
+
+def jmp_run(inner, loss_scale, skip, batches=BATCHES, params=PARAMS, opt_state=None):
+    """jmp's train step as its README and the haiku ImageNet example write it, eagerly (a jmp
+    loss scale cannot be a jit argument on current JAX): `(params, scale, skipped)` per step,
+    and the final `(params, opt_state, loss_scale)`."""
+    opt_state = inner.init(params) if opt_state is None else opt_state
+    trace = []
+    for x in batches:
+        grads = jax.grad(lambda p, x=x, ls=loss_scale: ls.scale(loss(p, x)))(params)
+        grads = loss_scale.unscale(grads)
+        grads_finite = jmp.all_finite(grads)
+        loss_scale = loss_scale.adjust(grads_finite)
+        updates, new_opt_state = inner.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if skip:
+            params, opt_state = jmp.select_tree(
+                grads_finite, (new_params, new_opt_state), (params, opt_state)
+            )
+        else:
+            params, opt_state = new_params, new_opt_state
+        trace.append((params, float(loss_scale.loss_scale), not bool(grads_finite) and skip))
+    return trace, (params, opt_state, loss_scale)
+
+
+def jls_run(inner, loss_scale, batches=BATCHES):
+    """The same run through `loss_scaled`, jitted with params and state donated."""
+    tx = jls.loss_scaled(inner, loss_scale)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, x):
+        grads = jax.grad(lambda p: loss(p, x) * jls.get_loss_scale(opt_state))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state, trace = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS), []
+    for x in batches:
+        params, opt_state = train_step(params, opt_state, x)
+        stats = jls.get_loss_scale_stats(opt_state)
+        kept = jax.tree.map(np.array, params)  # the next step donates `params`
+        trace.append((kept, float(stats.loss_scale), not bool(stats.last_step_applied)))
+    return trace
+
+
+def assert_runs_agree(ours, theirs):
+    assert [t[1:] for t in ours] == [t[1:] for t in theirs]  # scales and skips, step for step
+    for (our_params, *_), (their_params, *_) in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(our_params["w"], their_params["w"], rtol=1e-6)
+
+
+INNERS = {
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(0.1),
+}
+
+# jmp's loss scale, whether the step selects on `all_finite`, and the jax_lossscale loss scale
+# that behaves the same, as the table in docs/migrating.md maps them.
+JMP_MAPPINGS = {
+    "DynamicLossScale": (
+        lambda: jmp.DynamicLossScale(jnp.float32(2.0**15), period=2, factor=2),
+        True,
+        lambda: jls.DynamicLossScale(
+            initial_loss_scale=2.0**15, increment_period=2, multiplier=2.0
+        ),
+    ),
+    "StaticLossScale, skipping": (
+        lambda: jmp.StaticLossScale(jnp.float32(2.0**8)),
+        True,
+        lambda: jls.DynamicLossScale(2.0**8, min_loss_scale=2.0**8, max_loss_scale=2.0**8),
+    ),
+    "StaticLossScale": (
+        lambda: jmp.StaticLossScale(jnp.float32(2.0**8)),
+        False,
+        lambda: jls.FixedLossScale(2.0**8),
+    ),
+    "NoOpLossScale, skipping": (
+        lambda: jmp.NoOpLossScale(),
+        True,
+        lambda: jls.DynamicLossScale(initial_loss_scale=1.0, max_loss_scale=1.0),
+    ),
+    "NoOpLossScale": (lambda: jmp.NoOpLossScale(), False, lambda: jls.FixedLossScale(1.0)),
+}
+
+# Scales after each step of BATCHES (finite, finite, NaN, finite, inf, finite x 3).
+EXPECTED_SCALES = {
+    "DynamicLossScale": [2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**15, 2.0**15],
+    "StaticLossScale, skipping": [2.0**8] * 8,
+    "StaticLossScale": [2.0**8] * 8,
+    "NoOpLossScale, skipping": [1.0] * 8,
+    "NoOpLossScale": [1.0] * 8,
+}
+
+
+@pytest.mark.parametrize("inner_name", INNERS)
+@pytest.mark.parametrize("mapping", JMP_MAPPINGS)
+def test_each_jmp_loss_scale_maps_to_one_that_skips_and_scales_the_same(mapping, inner_name):
+    """Through a NaN and an inf batch: the mapped loss scale skips exactly the steps jmp's
+    step skips (none where jmp applies every step), with the same scale after every step; with
+    skipping the params after the NaN batch are those before it, bit for bit; without, the NaN
+    reaches the params in both."""
+    make_jmp, skip, make_jls = JMP_MAPPINGS[mapping]
+    theirs, _ = jmp_run(INNERS[inner_name](), make_jmp(), skip)
+    ours = jls_run(INNERS[inner_name](), make_jls())
+    assert [scale for _, scale, _ in ours] == EXPECTED_SCALES[mapping]
+    if skip:
+        assert [skipped for *_, skipped in ours] == [False, False, True, False, True] + [False] * 3
+        assert_runs_agree(ours, theirs)
+        assert_bits_equal(ours[2][0], ours[1][0])
+        assert_bits_equal(ours[4][0], ours[3][0])
+    else:
+        assert not any(skipped for *_, skipped in ours)
+        assert [t[1:] for t in ours] == [t[1:] for t in theirs]
+        for (our_params, *_), (their_params, *_) in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(our_params["w"], their_params["w"], rtol=1e-6)
+        np.testing.assert_array_equal(np.isnan(ours[-1][0]["w"]), [True, True, False])
+
+
+def test_jmps_unchanged_train_step_reads_the_scale_of_a_noop_mapping():
+    """A train step that multiplies the loss by `jls.get_loss_scale(opt_state)` keeps working
+    when the run drops loss scaling: `FixedLossScale(1.0)` gives it 1.0 (no wrapper at all would
+    make `get_loss_scale` raise)."""
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(1.0))
+    assert float(jls.get_loss_scale(tx.init(PARAMS))) == 1.0
+    with pytest.raises(LookupError, match="holds no LossScaledState"):
+        jls.get_loss_scale(optax.sgd(0.1).init(PARAMS))
+
+
+def test_jmps_select_tree_over_model_state_is_where_applied():
+    """The haiku ImageNet example's `jmp.select_tree(grads_finite, new_state, state)` over its
+    BatchNorm statistics: `jls.where_applied(opt_state, new_state, state)` after `tx.update`
+    selects the same, bit for bit, and an inf batch leaves the statistics as they were."""
+    tx = jls.loss_scaled(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale())
+
+    @jax.jit
+    def train_step(params, state, opt_state, x):
+        def loss_and_state(p):
+            batch_mean = jnp.mean(p["w"] * x)
+            new_state = {
+                "mean": 0.9 * state["mean"] + 0.1 * batch_mean,
+                "count": state["count"] + 1,
+            }
+            return loss(p, x) * jls.get_loss_scale(opt_state), new_state
+
+        grads, new_state = jax.grad(loss_and_state, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        selected = jls.where_applied(opt_state, new_state, state)
+        finite = jmp.all_finite(grads)
+        return optax.apply_updates(params, updates), selected, opt_state, finite, new_state
+
+    params, opt_state = PARAMS, tx.init(PARAMS)
+    state = {"mean": jnp.float32(0.0), "count": jnp.int32(0)}
+    for x in (X_FINITE, X_INF, X_FINITE):
+        before = state
+        params, state, opt_state, finite, new_state = train_step(params, state, opt_state, x)
+        assert_bits_equal(state, jmp.select_tree(finite, new_state, before))
+        if x is X_INF:
+            assert not np.isfinite(new_state["mean"])
+            assert_bits_equal(state, before)
+    assert int(state["count"]) == 2
+
+
+# --- flax's DynamicScale ----------------------------------------------------------------------
+
+
+def flax_run(inner, dynamic_scale, batches=BATCHES, params=PARAMS, opt_state=None):
+    """flax's ImageNet example's step: `dynamic_scale.value_and_grad`, then `jnp.where` on
+    `is_fin` over the new and old params and optimizer state."""
+    opt_state = inner.init(params) if opt_state is None else opt_state
+
+    @jax.jit
+    def train_step(params, opt_state, dynamic_scale, x):
+        grad_fn = dynamic_scale.value_and_grad(lambda p: loss(p, x))
+        dynamic_scale, is_fin, _, grads = grad_fn(params)
+        updates, new_opt_state = inner.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        select = functools.partial(jax.tree.map, functools.partial(jnp.where, is_fin))
+        return select(new_params, params), select(new_opt_state, opt_state), dynamic_scale, is_fin
+
+    trace = []
+    for x in batches:
+        params, opt_state, dynamic_scale, is_fin = train_step(params, opt_state, dynamic_scale, x)
+        trace.append((params, float(dynamic_scale.scale), not bool(is_fin)))
+    return trace, (params, opt_state, dynamic_scale)
+
+
+def flax_mapping(growth_interval, scale):
+    """`DynamicScale(growth_interval=..., scale=...)` with its other defaults, as mapped."""
+    return jls.DynamicLossScale(
+        initial_loss_scale=scale,
+        increment_period=growth_interval + 1,
+        multiplier=2.0,
+        backoff_factor=0.5,
+        min_loss_scale=F32_TINY,
+    )
+
+
+@pytest.mark.parametrize("inner_name", INNERS)
+def test_flax_dynamic_scale_step_and_its_replacement_scale_and_skip_step_for_step(inner_name):
+    """growth_interval=1: flax grows on the 2nd consecutive finite step, as does
+    `increment_period=growth_interval + 1`; NaN and inf batches skipped by both."""
+    theirs, _ = flax_run(INNERS[inner_name](), DynamicScale(growth_interval=1, scale=2.0**15))
+    ours = jls_run(INNERS[inner_name](), flax_mapping(1, 2.0**15))
+    assert [scale for _, scale, _ in ours] == [
+        2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**15, 2.0**15,
+    ]  # fmt: skip
+    assert_runs_agree(ours, theirs)
+
+
+# --- Checkpoints of jmp and flax runs ---------------------------------------------------------
+
+
+def resumed_from(opt_state, inner_state, loss_scale, good_steps):
+    """The recipe of docs/migrating.md: a fresh `tx.init(params)` given the restored optimizer
+    state, scale and count of consecutive finite steps."""
+    return opt_state._replace(
+        inner_state=inner_state,
+        loss_scale_state=opt_state.loss_scale_state._replace(
+            loss_scale=jnp.asarray(loss_scale, jnp.float32),
+            good_steps=jnp.asarray(good_steps, jnp.int32),
+        ),
+    )
+
+
+def continue_with_jls(tx, params, opt_state, batches):
+    @jax.jit
+    def train_step(params, opt_state, x):
+        grads = jax.grad(lambda p: loss(p, x) * jls.get_loss_scale(opt_state))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    trace = []
+    for x in batches:
+        params, opt_state = train_step(params, opt_state, x)
+        stats = jls.get_loss_scale_stats(opt_state)
+        trace.append((params, float(stats.loss_scale), not bool(stats.last_step_applied)))
+    return trace
+
+
+def test_a_flax_checkpoint_with_dynamic_scale_resumes_inside_loss_scaled(tmp_path):
+    """A flax run checkpointed by orbax mid-interval (its `dynamic_scale` holding a grown scale
+    and 2 finite steps) continues under `loss_scaled` step for step as it would under flax."""
+    inner = optax.sgd(0.1, momentum=0.9)
+    first, rest = BATCHES[:4], (X_FINITE, X_INF, X_FINITE, X_FINITE, X_FINITE, X_FINITE)
+    _, (params, opt_state, dynamic_scale) = flax_run(
+        inner, DynamicScale(growth_interval=3, scale=2.0**10), first
+    )
+    assert (float(dynamic_scale.scale), int(dynamic_scale.fin_steps)) == (2.0**9, 1)
+    checkpointer = ocp.StandardCheckpointer()
+    saved = {"params": params, "opt_state": opt_state, "dynamic_scale": dynamic_scale}
+    checkpointer.save(tmp_path / "flax", saved)
+    checkpointer.wait_until_finished()
+
+    theirs, _ = flax_run(inner, dynamic_scale, rest, params, opt_state)
+
+    target = jax.eval_shape(lambda: saved)
+    restored = checkpointer.restore(tmp_path / "flax", target)
+    tx = jls.loss_scaled(inner, flax_mapping(3, 2.0**10))
+    ds = restored["dynamic_scale"]
+    resumed = resumed_from(
+        tx.init(restored["params"]), restored["opt_state"], ds.scale, ds.fin_steps
+    )
+    ours = continue_with_jls(tx, restored["params"], resumed, rest)
+    assert [scale for _, scale, _ in ours] == [2.0**9, 2.0**8, 2.0**8, 2.0**8, 2.0**8, 2.0**9]
+    assert [skipped for *_, skipped in ours] == [False, True, False, False, False, False]
+    assert_runs_agree(ours, theirs)
+
+
+def test_a_jmp_checkpoint_of_scale_and_counter_resumes_inside_loss_scaled(tmp_path):
+    """orbax cannot save a `jmp.DynamicLossScale` itself (its unflatten rejects the
+    placeholders orbax maps over it), so a jmp run saves its `loss_scale` and `counter`
+    arrays; restored into the state, the run continues step for step as jmp's would, its
+    next growth on the step jmp's comes."""
+    inner = optax.adam(0.1)
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**12), period=4, factor=2)
+    with pytest.raises(AttributeError):
+        ocp.StandardCheckpointer().save(tmp_path / "whole", {"loss_scale": loss_scale})
+
+    _, (params, opt_state, loss_scale) = jmp_run(
+        inner, loss_scale, True, (X_FINITE, X_INF, X_FINITE, X_FINITE)
+    )
+    assert (float(loss_scale.loss_scale), int(loss_scale.counter)) == (2.0**11, 2)
+    saved = {
+        "params": params,
+        "opt_state": opt_state,
+        "loss_scale": {"loss_scale": loss_scale.loss_scale, "counter": loss_scale.counter},
+    }
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "jmp", saved)
+    checkpointer.wait_until_finished()
+
+    rest = (X_FINITE, X_FINITE, X_NAN, X_FINITE)
+    theirs, _ = jmp_run(inner, loss_scale, True, rest, params, opt_state)
+
+    restored = checkpointer.restore(tmp_path / "jmp", jax.eval_shape(lambda: saved))
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(2.0**12, increment_period=4, multiplier=2.0))
+    arrays = restored["loss_scale"]
+    resumed = resumed_from(
+        tx.init(restored["params"]), restored["opt_state"], arrays["loss_scale"], arrays["counter"]
+    )
+    ours = continue_with_jls(tx, restored["params"], resumed, rest)
+    assert [scale for _, scale, _ in ours] == [2.0**11, 2.0**12, 2.0**11, 2.0**11]
+    assert_runs_agree(ours, theirs)
