@@ -11,6 +11,7 @@ width 128), and about 0.9M in 294 leaves (18 layers of width 64).
 """
 
 import dataclasses
+import functools
 import glob
 import os
 import sysconfig
@@ -111,12 +112,18 @@ def batches(tokens: np.ndarray, size: Size, seed: int = 0):
         yield jnp.asarray(windows[:, :-1]), jnp.asarray(windows[:, 1:])
 
 
-def contenders() -> dict[str, Callable[[], optax.GradientTransformation]]:
-    """The optimizers compared: bare adamw and adamw through `loss_scaled`, with spike
-    skipping on (a bound and a window) and off."""
+def adamw() -> optax.GradientTransformation:
+    """The inner optimizer of every contender: adamw on a linear schedule."""
+    return optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10_000), weight_decay=0.01)
 
-    def adamw():
-        return optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10_000), weight_decay=0.01)
+
+def contenders() -> dict[str, Callable[[], optax.GradientTransformation]]:
+    """The optimizers of `nnx.Optimizer` compared: bare adamw and adamw through `loss_scaled`,
+    with spike skipping on (a bound and a window) and off.
+
+    These are the contenders of `train_step_of`; `all_contenders` adds the peers, which
+    bring their own train steps.
+    """
 
     def skipping_spikes():
         return jls.loss_scaled(
@@ -158,6 +165,186 @@ def train_step_of(graphdef: Any, scaled: bool) -> Callable:
         return nnx.state((model, optimizer)), loss
 
     return train_step
+
+
+# --- every contender, peers included ------------------------------------------------------
+
+LOSS_SCALE = 2.0**15  # where a peer takes a starting loss scale; as benchmarks/contenders.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One train step and its initial state.
+
+    `build(size, vocab)` gives `(train_step, state)`: the step `(state, inputs, targets) ->
+    (state, loss)`, to be jitted with `state` donated, and the state of a model made from
+    `nnx.Rngs(0)`, the same model for every contender. `state[0]` is the model's `nnx.State`.
+    `skips_non_finite`: whether a step with non-finite gradients leaves the model as it was.
+    """
+
+    name: str
+    build: Callable[[Size, int], tuple[Callable, Any]]
+    skips_non_finite: bool
+
+
+def all_contenders() -> dict[str, Contender]:
+    """Every train step compared: `contenders()` through `nnx.Optimizer`, then the peers,
+    each written the way its own documentation writes it, all on `adamw()`.
+
+    * "jmp": `jmp.DynamicLossScale` (README): `scale` the loss, `unscale` the gradients,
+      `all_finite`, `adjust`, and `select_tree` between the new and the old params and
+      optimizer state.
+    * "flax": `flax.training.dynamic_scale.DynamicScale.value_and_grad`, then a `jnp.where`
+      on `is_fin` over params and optimizer state, as flax's ImageNet example does.
+    * "optax.apply_if_finite": `optax.apply_if_finite(adamw(), max_consecutive_errors=5)`
+      through `nnx.Optimizer`, as optax's docs wrap an optimizer. It skips non-finite
+      updates but has no loss scale, so its loss is not scaled: it gets the true gradients
+      (as in benchmarks/contenders.py).
+    * "mpx" (mixed-precision-for-JAX, when installed): `mpx.filter_value_and_grad` with an
+      `mpx.DynamicLossScaling`, then `mpx.optimizer_update`, as mpx's README trains.
+
+    jmp, flax and mpx are functional, so their steps take nnx's functional form too:
+    `nnx.split` once, then `nnx.merge` inside the loss and gradients over the `nnx.State`
+    of the parameters, with plain optax state beside it.
+    """
+    everything = {
+        # A FixedLossScale applies non-finite steps, by design (see its docstring).
+        name: Contender(
+            name,
+            functools.partial(_with_nnx_optimizer, make_tx, name != "bare"),
+            skips_non_finite=name not in ("bare", "FixedLossScale"),
+        )
+        for name, make_tx in contenders().items()
+    }
+    peers = {"jmp": _jmp, "flax": _flax, "optax.apply_if_finite": _apply_if_finite}
+    try:
+        import mpx  # noqa: F401
+    except ImportError:  # mixed-precision-for-JAX is optional
+        pass
+    else:
+        peers["mpx"] = _mpx
+    for name, build in peers.items():
+        everything[name] = Contender(name, build, skips_non_finite=True)
+    return everything
+
+
+def _with_nnx_optimizer(make_tx, scaled, size, vocab):
+    graphdef, state = train_state(size, vocab, make_tx())
+    return train_step_of(graphdef, scaled), state
+
+
+def _split_model(size: Size, vocab: int) -> tuple[Any, Any]:
+    """`(graphdef, params)` of the model alone, for the functional peers."""
+    return nnx.split(GPT(size, vocab, nnx.Rngs(0)))
+
+
+def _loss_of(graphdef):
+    def loss_fn(params, inputs, targets):
+        model = nnx.merge(graphdef, params)
+        return optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()
+
+    return loss_fn
+
+
+def _jmp(size: Size, vocab: int) -> tuple[Callable, Any]:
+    """jmp's README: scale, unscale, `all_finite`, `adjust`, `select_tree`.
+
+    jmp 0.0.4's `DynamicLossScale` cannot be a jit argument on current JAX, so the state
+    carries its arrays and the step rebuilds it (as benchmarks/contenders.py does).
+    """
+    import jmp
+
+    tx = adamw()
+    graphdef, params = _split_model(size, vocab)
+    loss_of = _loss_of(graphdef)
+
+    def train_step(state, inputs, targets):
+        params, opt_state, (scale, counter) = state
+        loss_scale = jmp.DynamicLossScale(scale, counter, period=2000, factor=2)
+
+        def loss_fn(params):
+            loss = loss_of(params, inputs, targets)
+            return loss_scale.scale(loss), loss
+
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+        grads = loss_scale.unscale(grads)
+        grads_finite = jmp.all_finite(grads)
+        loss_scale = loss_scale.adjust(grads_finite)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(
+            grads_finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        return (params, opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
+
+    return train_step, (params, tx.init(params), (jnp.float32(LOSS_SCALE), jnp.int32(0)))
+
+
+def _flax(size: Size, vocab: int) -> tuple[Callable, Any]:
+    """flax's `DynamicScale.value_and_grad`, and the select on `is_fin` of its ImageNet
+    example. The scale and step count start as strongly typed arrays, so that the state
+    the step returns has the types of the one it took."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    tx = adamw()
+    graphdef, params = _split_model(size, vocab)
+    loss_of = _loss_of(graphdef)
+
+    def train_step(state, inputs, targets):
+        params, opt_state, dynamic_scale = state
+        grad_fn = dynamic_scale.value_and_grad(loss_of)
+        dynamic_scale, is_fin, loss, grads = grad_fn(params, inputs, targets)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # if is_fin == False the gradients contain Inf/NaNs and optimizer state and
+        # params should be restored (= skip this step).
+        select = functools.partial(jnp.where, is_fin)
+        params = jax.tree.map(select, new_params, params)
+        opt_state = jax.tree.map(select, new_opt_state, opt_state)
+        return (params, opt_state, dynamic_scale), loss
+
+    dynamic_scale = DynamicScale(fin_steps=jnp.int32(0), scale=jnp.float32(LOSS_SCALE))
+    return train_step, (params, tx.init(params), dynamic_scale)
+
+
+def _apply_if_finite(size: Size, vocab: int) -> tuple[Callable, Any]:
+    """`optax.apply_if_finite` around adamw in `nnx.Optimizer`; unscaled loss."""
+    tx = optax.apply_if_finite(adamw(), max_consecutive_errors=5)
+    graphdef, state = train_state(size, vocab, tx)
+    return train_step_of(graphdef, scaled=False), state
+
+
+def _mpx(size: Size, vocab: int) -> tuple[Callable, Any]:
+    """mpx's README: `mpx.filter_value_and_grad(loss, scaling)` then `mpx.optimizer_update`.
+
+    `filter_value_and_grad` casts every floating argument to float16 before the loss, the
+    float32 parameters included, and differentiates with respect to that float16 copy.
+    mpx's README jits with `eqx.filter_jit`, which keeps the `DynamicLossScaling`'s
+    integer fields static; under `jax.jit` the state carries its arrays, split off with
+    `eqx.partition`, and the step combines them with the static rest again.
+    """
+    import equinox as eqx
+    import mpx
+
+    tx = adamw()
+    graphdef, params = _split_model(size, vocab)
+    loss_of = _loss_of(graphdef)
+    scaling = mpx.DynamicLossScaling(
+        loss_scaling=jnp.float32(LOSS_SCALE), min_loss_scaling=jnp.float32(1.0), period=2000
+    )
+    scaling_arrays, scaling_static = eqx.partition(scaling, eqx.is_array)
+
+    def train_step(state, inputs, targets):
+        params, opt_state, scaling_arrays = state
+        loss_scaling = eqx.combine(scaling_arrays, scaling_static)
+        loss, loss_scaling, grads_finite, grads = mpx.filter_value_and_grad(
+            loss_of, scaling=loss_scaling
+        )(params, inputs, targets)
+        params, opt_state = mpx.optimizer_update(params, tx, opt_state, grads, grads_finite)
+        scaling_arrays, _ = eqx.partition(loss_scaling, eqx.is_array)
+        return (params, opt_state, scaling_arrays), loss
+
+    return train_step, (params, tx.init(params), scaling_arrays)
 
 
 def parameter_count(state: Any) -> tuple[int, int]:

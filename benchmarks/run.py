@@ -241,7 +241,8 @@ def run_traces(args) -> list[dict]:
 
 def run_gpt(args) -> dict[str, list[dict]]:
     """A GPT-style decoder's float16 train step (`benchmarks/gpt.py`), bare adamw against
-    `loss_scaled`: step time, trace + lower + compile time and XLA temp memory."""
+    `loss_scaled` and the peers (`gpt.all_contenders`): step time, trace + lower + compile
+    time and XLA temp memory, each contender with its own train step and state."""
     tokens, vocab = gpt.stdlib_text()
     cases: dict[str, list[dict]] = {"gpt_step": [], "gpt_compile": [], "gpt_memory": []}
     for name in args.gpt_sizes:
@@ -249,10 +250,9 @@ def run_gpt(args) -> dict[str, list[dict]]:
         if args.gpt_batch:
             size = dataclasses.replace(size, batch=args.gpt_batch)
         inputs, targets = next(gpt.batches(tokens, size))
-        built = {}
-        for contender, make_tx in gpt.contenders().items():
-            graphdef, state = gpt.train_state(size, vocab, make_tx())
-            built[contender] = (gpt.train_step_of(graphdef, contender != "bare"), state)
+        built = {
+            name: contender.build(size, vocab) for name, contender in gpt.all_contenders().items()
+        }
         compile_times: dict[str, list[float]] = {contender: [] for contender in built}
         for _ in range(args.compile_repeats):  # the contenders take turns
             for contender, (step, state) in built.items():

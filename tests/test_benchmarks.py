@@ -1,11 +1,20 @@
 """The benchmark runner runs end to end on a tiny size, so it cannot rot (no timings checked)."""
 
+import dataclasses
+import importlib.util
 import json
+
+import jax
+import numpy as np
 
 from benchmarks import gpt, run
 
 CONTENDERS = ["bare", "jax_lossscale", "jmp", "flax", "optax.apply_if_finite"]
-GPT_CONTENDERS = ["bare", "DynamicLossScale", "DynamicLossScale, spike skipping", "FixedLossScale"]
+GPT_CONTENDERS = [
+    "bare", "DynamicLossScale", "DynamicLossScale, spike skipping", "FixedLossScale",
+    "jmp", "flax", "optax.apply_if_finite",
+    *(["mpx"] if importlib.util.find_spec("mpx") else []),  # mixed-precision-for-JAX, optional
+]  # fmt: skip
 
 
 def test_runner_writes_every_case_as_json(tmp_path, capsys):
@@ -41,6 +50,10 @@ def test_runner_writes_every_case_as_json(tmp_path, capsys):
         assert row["optimizer"] == "adamw, 70 leaves"
         assert row["leaves"] == 70
         assert list(row["values"]) == GPT_CONTENDERS
+        assert list(row["ratio_to_bare"]) == GPT_CONTENDERS
+        assert row["ratio_to_bare"]["bare"] == 1.0
+        for name, ratio in row["ratio_to_bare"].items():
+            assert ratio == row["values"][name] / row["values"]["bare"] > 0, (case, name)
     assert "page_faults_per_step" in results["cases"]["gpt_step"][0]
     printed = capsys.readouterr().out
     assert "## step (s, ratio to bare)" in printed
@@ -68,3 +81,41 @@ def test_the_default_json_path_names_the_platform(tmp_path, monkeypatch):
     written = json.loads((tmp_path / "benchmarks" / "results" / "cpu.json").read_text())
     assert written["machine"]["backend"] == "cpu"
     assert list(written["cases"]) == ["traces"]
+
+
+def test_every_gpt_contender_trains_alike_and_the_skipping_ones_skip_a_non_finite_step():
+    """From the same model, two finite batches, then one whose first token is out of the
+    vocabulary: `nnx.Embed` (`jnp.take`, mode "fill") embeds it as NaN, which attention
+    spreads to every logit, so the loss and every gradient are NaN. Every contender that
+    skips non-finite steps (all but bare adamw and a `FixedLossScale`, which applies them by
+    design) keeps the model bit-identical across that step; on the finite steps, the
+    losses of all contenders agree to float16 rounding."""
+    tokens, vocab = gpt.stdlib_text(max_bytes=200_000)
+    size = dataclasses.replace(gpt.SIZES["70 leaves"], layers=1, width=32, heads=2, seq=32, batch=1)
+    stream = gpt.batches(tokens, size)
+    batches = [next(stream), next(stream)]
+    inputs, targets = next(stream)
+    batches.append((inputs.at[:, 0].set(vocab), targets))
+    contenders = gpt.all_contenders()
+    assert list(contenders) == GPT_CONTENDERS
+    losses, initial = {}, {}
+    for name, contender in contenders.items():
+        train_step, state = contender.build(size, vocab)
+        step = jax.jit(train_step, donate_argnums=0)
+        models, losses[name] = [], []
+        for inputs, targets in batches:
+            models.append([np.array(leaf) for leaf in jax.tree.leaves(state[0])])
+            state, loss = step(state, inputs, targets)
+            losses[name].append(float(loss))
+        models.append([np.array(leaf) for leaf in jax.tree.leaves(state[0])])
+        assert step._cache_size() == 1, name  # the state comes back with the types it went in
+        initial[name] = models[0]
+        assert not all(map(np.array_equal, models[1], models[2])), name  # it trained
+        assert not np.isfinite(losses[name][2]), name
+        kept = all(np.array_equal(a, b) for a, b in zip(models[2], models[3], strict=True))
+        assert kept == contender.skips_non_finite, name
+    for name, model in initial.items():  # the same model for everyone
+        assert all(np.array_equal(a, b) for a, b in zip(model, initial["bare"], strict=True)), name
+    reference = np.array(losses["bare"][:2])
+    for name, values in losses.items():
+        np.testing.assert_allclose(values[:2], reference, rtol=2**-10, err_msg=name)
