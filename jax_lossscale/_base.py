@@ -71,6 +71,17 @@ class LossScale(abc.ABC):
           `axis_name`, both must be the same on every device of that axis.
         """
 
+    @property
+    def _checks_scaled_gradients(self) -> bool:
+        """Whether `loss_scaled` may check the scaled gradients and call `_update_given_finite`
+        instead of unscaling for `update`: true for a built-in loss scale whose scale is
+        never below 1, under which a finite scaled gradient stays finite when unscaled."""
+        return False
+
+    def _update_given_finite(self, state: PyTree, finite: jax.Array) -> tuple[PyTree, jax.Array]:
+        """`update`'s result for gradients whose finiteness is `finite`."""
+        raise NotImplementedError(f"{type(self).__name__} reads the unscaled gradients")
+
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
         """Returns the hyperparameters as a JSON-serializable dict."""

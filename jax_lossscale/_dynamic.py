@@ -171,6 +171,16 @@ class DynamicLossScale(LossScale):
         # jax.jit's wrapper returns Any.
         return cast(tuple[DynamicLossScaleState, jax.Array], _update(self, state, grads, axis_name))
 
+    @property
+    def _checks_scaled_gradients(self) -> bool:
+        return self.min_loss_scale >= 1 and type(self).update is DynamicLossScale.update
+
+    def _update_given_finite(
+        self, state: DynamicLossScaleState, finite: jax.Array
+    ) -> tuple[DynamicLossScaleState, jax.Array]:
+        check_loss_scale_state(self, state)
+        return self._next_state(state, finite), finite
+
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
         full_tolerance = np.int32(self.hysteresis)

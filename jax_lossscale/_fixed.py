@@ -79,6 +79,16 @@ class FixedLossScale(LossScale):
         check_axis_name(axis_name, caller="FixedLossScale.update")
         return self.init(), jnp.array(True)
 
+    @property
+    def _checks_scaled_gradients(self) -> bool:
+        return type(self).update is FixedLossScale.update  # the scale is >= 1
+
+    def _update_given_finite(
+        self, state: FixedLossScaleState, finite: jax.Array
+    ) -> tuple[FixedLossScaleState, jax.Array]:
+        check_loss_scale_state(self, state)
+        return self.init(), jnp.array(True)
+
     def get_config(self) -> dict[str, Any]:
         """Returns `{"loss_scale_value": ...}`, which `from_config` takes back."""
         return {"loss_scale_value": self.loss_scale_value}

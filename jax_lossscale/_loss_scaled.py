@@ -112,13 +112,23 @@ def loss_scaled(
         scaled_grads = updates
         loss = spike_rule.loss(extra_args.get("value"))
 
-        # Unscale and check. The norm's sums are DynamicLossScale's check's: XLA makes them once.
-        grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
-        loss_scale_state, scale_applies = loss_scale.update(
-            state.loss_scale_state, grads, axis_name
-        )
-        check_should_apply(loss_scale, scale_applies, caller="loss_scaled")
-        grad_norm, grads_finite = global_norm_and_finite(grads, axis_name)
+        # Check. Unscaling by a scale of 1 or more leaves finite gradients finite, so a
+        # built-in loss scale that never goes below 1 has the scaled gradients checked and
+        # the norm unscaled once; other loss scales get the unscaled gradients, whose sums
+        # for the norm are the check's own (XLA makes them once).
+        if loss_scale._checks_scaled_gradients:
+            scale = loss_scale._checked_scale(state.loss_scale_state)
+            grad_norm, grads_finite = global_norm_and_finite(scaled_grads, axis_name, scale)
+            loss_scale_state, scale_applies = loss_scale._update_given_finite(
+                state.loss_scale_state, grads_finite
+            )
+        else:
+            grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
+            loss_scale_state, scale_applies = loss_scale.update(
+                state.loss_scale_state, grads, axis_name
+            )
+            check_should_apply(loss_scale, scale_applies, caller="loss_scaled")
+            grad_norm, grads_finite = global_norm_and_finite(grads, axis_name)
         if loss is not None and axis_name is not None:
             loss = jax.lax.pmean(loss, axis_name)
 

@@ -82,8 +82,14 @@ def square_sums(parts: list[jax.Array]) -> list[jax.Array]:
     return totals
 
 
-def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[jax.Array, jax.Array]:
+def global_norm_and_finite(
+    tree: PyTree, axis_name: AxisName | None, divisor: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The float32 L2 norm of the floating leaves of `tree`, and whether they are finite.
+
+    With `divisor`, the norm of `tree / divisor`, the sums taken over `tree` itself and
+    their root divided: exact for a power-of-two `divisor`, and no pass over `tree` has
+    to multiply (on a CPU, XLA's fastest reductions take no scaled input).
 
     From `square_sums`, the same reductions as `finite_flag`'s, which XLA computes
     once for both. With `axis_name`, under `shard_map` a leaf that varies over the
@@ -100,7 +106,7 @@ def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[ja
     if not totals:
         return jnp.zeros([], jnp.float32), finite
     if axis_name is None:
-        return jnp.sqrt(sum(totals)).astype(jnp.float32), finite
+        return _divided(jnp.sqrt(sum(totals)).astype(jnp.float32), divisor), finite
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
     for part, total in zip(parts, totals, strict=True):
@@ -111,7 +117,12 @@ def global_norm_and_finite(tree: PyTree, axis_name: AxisName | None) -> tuple[ja
         jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
     ]
     norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
+    norm = _divided(norm, divisor)
     return jnp.where(finite, norm, np.float32(np.nan)), finite  # NaN on every device
+
+
+def _divided(norm: jax.Array, divisor: jax.Array | None) -> jax.Array:
+    return norm if divisor is None else cast(jax.Array, divide_floating(norm, divisor))
 
 
 def any_nan(tree: PyTree) -> jax.Array:

@@ -103,6 +103,55 @@ def test_fixed_loss_scale_never_skips(jit_or_eager):
         assert stats_tuple(opt_state) == (8.0, 0, True)
 
 
+def test_a_scale_below_one_checks_the_unscaled_gradients(jit_or_eager):
+    """At a scale of 0.5, a float16 gradient of 40000 is finite scaled and 80000, beyond
+    float16, unscaled: the step is skipped as an overflow, where a check of the scaled
+    gradients would apply an infinite update."""
+    tx = jls.loss_scaled(
+        optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=0.5, min_loss_scale=0.25)
+    )
+    params = {"w": jnp.array([1.0, 2.0], jnp.float16)}
+    opt_state = tx.init(params)
+    grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
+    updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0], jnp.float16)})
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (float(stats.loss_scale), int(stats.inf_skipped_steps)) == (0.25, 1)
+    assert np.isnan(stats.grad_norm)
+
+
+def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eager):
+    """The default DynamicLossScale and a FixedLossScale check the scaled gradients and
+    divide their norm by the scale: bit for bit the norm of the unscaled gradients."""
+    unscaled = {"w": jnp.array([0.1, -2.5, 3e-3]), "b": jnp.array([7.0, 1e-20])}
+    params = jax.tree.map(jnp.zeros_like, unscaled)
+    for loss_scale in [jls.DynamicLossScale(2.0**15), jls.FixedLossScale(2.0**60)]:
+        tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
+        scale = float(loss_scale(loss_scale.init()))
+        _, opt_state = jit_or_eager(tx.update, scaled(unscaled, scale), tx.init(params), params)
+        norm = jls.get_loss_scale_stats(opt_state).grad_norm
+        assert norm == optax.tree.norm(unscaled), loss_scale
+
+
+def test_an_overridden_update_decides_in_a_subclass(jit_or_eager):
+    """A subclass that overrides `update` is called with the unscaled gradients, as any
+    `LossScale` is: here it applies a step only when the first gradient is above 2, which
+    the scaled gradient (4) is and the unscaled one (1) is not."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Picky(jls.DynamicLossScale):
+        def update(self, state, grads, axis_name=None):
+            return state, grads["w"][0] > 2.0
+
+    tx = jls.loss_scaled(optax.sgd(1.0), Picky(4.0))
+    params = {"w": jnp.array([1.0, 2.0])}
+    updates, opt_state = jit_or_eager(
+        tx.update, {"w": jnp.array([4.0, 8.0])}, tx.init(params), params
+    )
+    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
 # --- 2. skipped steps -----------------------------------------------------------------------
 
 

@@ -67,17 +67,15 @@ CUSTOM_CALL_TARGETS: set[str] = set()
 # Under SPMD on 8 devices, compiled on CPU: the all-reduces of the step, each as (where,
 # float32 scalars it reduces, distinct operands among them). "entry" runs every step; "skip
 # branch" only on a skipped step, where the NaN search over the sharded gradients needs one.
-# Each of the 3 sharded gradient leaves gives one partial sum per reduction:
-# DynamicLossScale's finite check and the global norm share their local reductions, yet the
-# partitioner all-reduces the three partial sums twice (6 operands, 3 distinct, in one
-# combined all-reduce). A FixedLossScale needs the norm alone (3). The replicated leaf "g"
-# and the replicated spike windows need none.
+# Each of the 3 sharded gradient leaves gives one partial sum, all-reduced once for the finite
+# check and the global norm together (3 operands); a FixedLossScale needs the norm alone,
+# the same 3. The replicated leaf "g" and the replicated spike windows need none.
 ALL_REDUCES = {
     "bare": [],
-    "DynamicLossScale": [("entry", 6, 3), ("skip branch", 3, 3)],
+    "DynamicLossScale": [("entry", 3, 3), ("skip branch", 3, 3)],
     "FixedLossScale": [("entry", 3, 3)],
-    "skip_grad_norm_above": [("entry", 6, 3), ("skip branch", 3, 3)],
-    "skip_spike_sigmas": [("entry", 6, 3), ("skip branch", 3, 3)],
+    "skip_grad_norm_above": [("entry", 3, 3), ("skip branch", 3, 3)],
+    "skip_spike_sigmas": [("entry", 3, 3), ("skip branch", 3, 3)],
 }
 
 

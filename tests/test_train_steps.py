@@ -394,12 +394,12 @@ def test_what_a_skip_keeps_through_apply_updates_on_cpu():
     opt_state = tx.init(params)
 
     @jax.jit
-    def skipped_step(params, opt_state):
-        grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    def skipped_step(params, opt_state, grads):  # NaN gradients as an argument, not folded
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    new_params, new_state = skipped_step(params, opt_state)
+    nan_grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    new_params, new_state = skipped_step(params, opt_state, nan_grads)
     got = bits(new_params)
     # float32: subnormals flushed to zeros of their sign, a signalling NaN quieted.
     np.testing.assert_array_equal(got["f32"][:6], bits(params["f32"])[:6])
