@@ -112,11 +112,13 @@ def loss_scaled(
         scaled_grads = updates
         loss = spike_rule.loss(extra_args.get("value"))
 
-        # Check. Unscaling by a scale of 1 or more leaves finite gradients finite, so a
-        # built-in loss scale that never goes below 1 has the scaled gradients checked and
-        # the norm unscaled once; other loss scales get the unscaled gradients, whose sums
-        # for the norm are the check's own (XLA makes them once).
-        if loss_scale._checks_scaled_gradients:
+        # Check. Unscaling by a scale of 1 or more leaves finite gradients finite, so where
+        # the skip is made by selects, a built-in loss scale that never goes below 1 has the
+        # scaled gradients checked and the norm unscaled once (docs/design.md says why only
+        # there); other loss scales get the unscaled gradients, whose sums for the norm are
+        # the check's own (XLA makes them once).
+        select = skips_by_select(state.inner_state, scaled_grads)
+        if select and loss_scale._checks_scaled_gradients:
             scale = loss_scale._checked_scale(state.loss_scale_state)
             grad_norm, grads_finite = global_norm_and_finite(scaled_grads, axis_name, scale)
             loss_scale_state, scale_applies = loss_scale._update_given_finite(
@@ -151,7 +153,7 @@ def loss_scaled(
             inner_update,
             state.inner_state,
             lambda: any_nan(scaled_grads),
-            select=skips_by_select(state.inner_state, scaled_grads),
+            select=select,
         )
         if axis_name is not None:  # outside the cond: a collective there could wait forever
             had_nan = jax.lax.pmax(had_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)

@@ -67,15 +67,22 @@ CUSTOM_CALL_TARGETS: set[str] = set()
 # Under SPMD on 8 devices, compiled on CPU: the all-reduces of the step, each as (where,
 # float32 scalars it reduces, distinct operands among them). "entry" runs every step; "skip
 # branch" only on a skipped step, where the NaN search over the sharded gradients needs one.
-# Each of the 3 sharded gradient leaves gives one partial sum, all-reduced once for the finite
-# check and the global norm together (3 operands); a FixedLossScale needs the norm alone,
-# the same 3. The replicated leaf "g" and the replicated spike windows need none.
+# Each of the 3 sharded gradient leaves gives one partial sum per reduction. Under adam (a
+# cond) DynamicLossScale's finite check and the global norm share their local reductions of
+# the unscaled gradients, yet the partitioner all-reduces the three partial sums twice (6
+# operands, 3 distinct, in one combined all-reduce). Under sgd (selects) the check reads the
+# scaled gradients and the sums are all-reduced once (3). A FixedLossScale needs the norm
+# alone (3). The replicated leaf "g" and the replicated spike windows need none.
+_ONCE, _TWICE = [("entry", 3, 3), ("skip branch", 3, 3)], [("entry", 6, 3), ("skip branch", 3, 3)]
 ALL_REDUCES = {
-    "bare": [],
-    "DynamicLossScale": [("entry", 3, 3), ("skip branch", 3, 3)],
-    "FixedLossScale": [("entry", 3, 3)],
-    "skip_grad_norm_above": [("entry", 3, 3), ("skip branch", 3, 3)],
-    "skip_spike_sigmas": [("entry", 3, 3), ("skip branch", 3, 3)],
+    optimizer: {
+        "bare": [],
+        "DynamicLossScale": twice_or_once,
+        "FixedLossScale": [("entry", 3, 3)],
+        "skip_grad_norm_above": twice_or_once,
+        "skip_spike_sigmas": twice_or_once,
+    }
+    for optimizer, twice_or_once in [("adam", _TWICE), ("sgd", _ONCE)]
 }
 
 
@@ -495,7 +502,7 @@ def test_spmd_step_all_reduces_scalars_only(variant, optimizer):
         (where, len(re.findall(r"\[\]", shape)), len(set(operands)))
         for where, shape, operands in all_reduces
     ]
-    assert sorted(observed) == sorted(ALL_REDUCES[variant])
+    assert sorted(observed) == sorted(ALL_REDUCES[optimizer][variant])
 
 
 def test_the_sharding_readers_find_a_replicated_gradient():
