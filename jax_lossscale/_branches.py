@@ -95,7 +95,7 @@ def _nan_on_skip(apply: jax.Array, nan_search: Callable[[], jax.Array]) -> jax.A
     no_nan = jnp.zeros_like(jax.eval_shape(nan_search))
 
     def on_cpu(apply: jax.Array) -> jax.Array:
-        return jax.lax.cond(apply, lambda: no_nan, nan_search)
+        return cast(jax.Array, jax.lax.cond(apply, lambda: no_nan, nan_search))
 
     def elsewhere(apply: jax.Array) -> jax.Array:
         return jnp.where(apply, no_nan, nan_search())
