@@ -23,29 +23,26 @@ def apply_or_skip(
     apply: jax.Array,
     inner_update: Callable[[], tuple[optax.Updates, optax.OptState]],
     inner_state: optax.OptState,
-    nan_search: Callable[[], jax.Array],
     select: bool = False,
-) -> tuple[optax.Updates, optax.OptState, jax.Array]:
-    """`(updates, inner_state, had_nan)` of `inner_update()` where `apply`, else of a skip.
+) -> tuple[optax.Updates, optax.OptState]:
+    """`(updates, inner_state)` of `inner_update()` where `apply`, else of a skip.
 
     A skip returns updates of -0.0, the additive identity of every float (so that
-    `optax.apply_updates` keeps the params' bits, signed zeros included), the inner
-    state as it was, and `nan_search()`. With `select` (see `skips_by_select`) both
-    are chosen by `jnp.where`, otherwise by a `cond` whose skip branch alone runs the
-    NaN search. An `apply` concrete when traced (eagerly) takes its branch with no
-    `cond`; under `jit` even a FixedLossScale's constant true is a tracer, and XLA
-    folds the `cond` on it.
+    `optax.apply_updates` keeps the params' bits, signed zeros included), and the inner
+    state as it was. With `select` (see `skips_by_select`) both are chosen by
+    `jnp.where`, otherwise by a `cond`. An `apply` concrete when traced (eagerly) takes
+    its branch with no `cond`; under `jit` even a FixedLossScale's constant true is a
+    tracer, and XLA folds the `cond` on it.
     """
     applied_types: tuple[PyTree, PyTree] | None = None
 
-    def applied() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+    def applied() -> tuple[optax.Updates, optax.OptState]:
         nonlocal applied_types
         new_updates, new_inner_state = inner_update()
         applied_types = _branch_types(inner_state, new_updates, new_inner_state)
-        no_nan = jnp.zeros_like(jax.eval_shape(nan_search))
-        return new_updates, _as_types(new_inner_state, applied_types[1]), no_nan
+        return new_updates, _as_types(new_inner_state, applied_types[1])
 
-    def skipped() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+    def skipped() -> tuple[optax.Updates, optax.OptState]:
         # `cond` traces the applied branch first; alone (under jax.disable_jit) it is not.
         updates_type, inner_state_type = applied_types or _branch_types(
             inner_state, *jax.eval_shape(inner_update)
@@ -53,14 +50,13 @@ def apply_or_skip(
         return (
             jax.tree.map(_negative_zeros, updates_type),
             _as_types(inner_state, inner_state_type),
-            nan_search(),
         )
 
     if select and isinstance(apply, jax.core.Tracer):
-        return _selected(apply, inner_update, inner_state, nan_search)
+        return _selected(apply, inner_update, inner_state)
     if isinstance(apply, jax.core.Tracer):
         return cast(
-            tuple[optax.Updates, optax.OptState, jax.Array],
+            tuple[optax.Updates, optax.OptState],
             jax.lax.cond(apply, applied, skipped),
         )
     return applied() if apply else skipped()
@@ -70,8 +66,7 @@ def _selected(
     apply: jax.Array,
     inner_update: Callable[[], tuple[optax.Updates, optax.OptState]],
     inner_state: optax.OptState,
-    nan_search: Callable[[], jax.Array],
-) -> tuple[optax.Updates, optax.OptState, jax.Array]:
+) -> tuple[optax.Updates, optax.OptState]:
     """The skip as selects: the inner update runs on every step, and where `apply` is
     false its updates are -0.0 and its state the old one. XLA fuses the selects into the
     update and into `optax.apply_updates`, so nothing is written twice."""
@@ -85,22 +80,7 @@ def _selected(
         _as_types(new_inner_state, state_type),
         _as_types(inner_state, state_type),
     )
-    return updates, kept, _nan_on_skip(apply, nan_search)
-
-
-def _nan_on_skip(apply: jax.Array, nan_search: Callable[[], jax.Array]) -> jax.Array:
-    """`nan_search()` where `apply` is false, else false. On a CPU under a `cond`, which runs
-    the search on skipped steps only; elsewhere selected, computed on every step by a
-    reduction that XLA fuses with the finite check's, so the step holds no conditional."""
-    no_nan = jnp.zeros_like(jax.eval_shape(nan_search))
-
-    def on_cpu(apply: jax.Array) -> jax.Array:
-        return cast(jax.Array, jax.lax.cond(apply, lambda: no_nan, nan_search))
-
-    def elsewhere(apply: jax.Array) -> jax.Array:
-        return jnp.where(apply, no_nan, nan_search())
-
-    return cast(jax.Array, jax.lax.platform_dependent(apply, cpu=on_cpu, default=elsewhere))
+    return updates, kept
 
 
 def skips_by_select(inner_state: optax.OptState, grads: PyTree) -> bool:

@@ -10,7 +10,7 @@ from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply
 from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import any_nan, global_norm_and_finite
+from jax_lossscale._numerics import check_gradients
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -120,9 +120,9 @@ def loss_scaled(
         select = skips_by_select(state.inner_state, scaled_grads)
         if select and loss_scale._checks_scaled_gradients:
             scale = loss_scale._checked_scale(state.loss_scale_state)
-            grad_norm, grads_finite = global_norm_and_finite(scaled_grads, axis_name, scale)
+            check = check_gradients(scaled_grads, axis_name, scale)
             loss_scale_state, scale_applies = loss_scale._update_given_finite(
-                state.loss_scale_state, grads_finite
+                state.loss_scale_state, check.finite
             )
         else:
             grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
@@ -130,7 +130,8 @@ def loss_scaled(
                 state.loss_scale_state, grads, axis_name
             )
             check_should_apply(loss_scale, scale_applies, caller="loss_scaled")
-            grad_norm, grads_finite = global_norm_and_finite(grads, axis_name)
+            check = check_gradients(grads, axis_name)
+        grad_norm, grads_finite = check.norm, check.finite
         if loss is not None and axis_name is not None:
             loss = jax.lax.pmean(loss, axis_name)
 
@@ -148,22 +149,15 @@ def loss_scaled(
                 grads = loss_scale.unscale(barrier, scaled_grads)
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
-        new_updates, inner_state, had_nan = apply_or_skip(
-            apply,
-            inner_update,
-            state.inner_state,
-            lambda: any_nan(scaled_grads),
-            select=select,
+        new_updates, inner_state = apply_or_skip(
+            apply, inner_update, state.inner_state, select=select
         )
-        if axis_name is not None:  # outside the cond: a collective there could wait forever
-            had_nan = jax.lax.pmax(had_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
-
         stats = next_stats(
             state.stats,
             grad_norm=grad_norm,
             applied=apply,
             spike=spike,
-            had_nan=had_nan,
+            had_nan=check.has_nan,
             grads_finite=grads_finite,
         )
         spike_windows = spike_rule.record(state.spike_windows, grad_norm, loss, apply)

@@ -1,4 +1,4 @@
-"""The numerics: one pass of sums for the finite check and the norm, the NaN search, scaling.
+"""The numerics: one pass over the gradients for the finite check, the norm and NaNs; scaling.
 
 Every reduction over the gradients is formulated here; docs/design.md says why each
 takes the form it has.
@@ -6,7 +6,7 @@ takes the form it has.
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +52,18 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
-    return _finite(square_sums(floating_parts(tree)), axis_name)
+    totals, _ = square_sums_and_nans(floating_parts(tree), unsharded(axis_name))
+    return _finite(totals, axis_name)
+
+
+def unsharded(axis_name: AxisName | None) -> bool:
+    """Whether no array can be sharded over devices here, so that `square_sums_and_nans`
+    may take one pass: one device in the process, or inside `pmap` or `shard_map`."""
+    return axis_name is not None or jax.device_count() == 1
 
 
 def _finite(totals: list[jax.Array], axis_name: AxisName | None) -> jax.Array:
-    """Whether no sum of `square_sums` is NaN, combined over `axis_name`."""
+    """Whether no sum of `square_sums_and_nans` is NaN, combined over `axis_name`."""
     flags = [~jnp.isnan(total) for total in totals]
     finite = jnp.stack(flags).all() if flags else jnp.array(True)
     if axis_name is not None:
@@ -64,49 +71,94 @@ def _finite(totals: list[jax.Array], axis_name: AxisName | None) -> jax.Array:
     return finite
 
 
-def square_sums(parts: list[jax.Array]) -> list[jax.Array]:
-    """Per part, the sum of `x * (x + (x - x))` over its entries, in float32 or wider.
+def square_sums_and_nans(
+    parts: list[jax.Array], one_pass: bool = True
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per part, the sum of `x * (x + (x - x))` over its entries, in float32 or wider, and
+    whether an entry is NaN.
 
-    The one pass over the gradients that both the finite check and the gradient norm
-    read: `x - x` is 0 for a finite `x` and NaN for +-inf and NaN, so a sum is NaN
-    exactly when its part holds a non-finite entry (its other terms are >= 0, and
-    squares too large for the dtype only make it +inf). Otherwise it is the part's
-    squared L2 norm. XLA fuses the arithmetic into the reduction, which writes nothing.
+    The pass over the gradients that the finite check, the gradient norm and the NaN count
+    of skipped steps read: `x - x` is 0 for a finite `x` and NaN for +-inf and NaN, so a
+    sum is NaN exactly when its part holds a non-finite entry (its other terms are >= 0,
+    and squares too large for the dtype only make it +inf). Otherwise it is the part's
+    squared L2 norm. The NaN flag tells a NaN from an infinity, which the sum cannot.
     (Written so, not as `x**2 + (x - x)`, so that XLA does not share the square with an
     optimizer's own `g**2` and keep it in memory for both.)
+
+    With `one_pass`, both come from one variadic reduction, which writes nothing and, on
+    a CPU, takes as long as the sum alone; but XLA's SPMD partitioner gathers the partial
+    results of a variadic reduction where it all-reduces a sum. Where a part may be
+    sharded across devices, `one_pass=False` gives two reductions, the flag's from
+    squares that are NaN only for a NaN.
     """
-    totals = []
+    totals, nans = [], []
     for part in parts:
-        wide = jnp.asarray(part, wide_dtype(part.dtype))
-        totals.append(jnp.sum(wide * (wide + jnp.subtract(wide, wide))))
-    return totals
+        # No gradient flows through a check; a variadic reduction has no derivative rule.
+        wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
+        terms = wide * (wide + jnp.subtract(wide, wide))
+        if one_pass:
+            total, has_nan = jax.lax.reduce(
+                (terms, jnp.isnan(wide)),
+                (np.zeros((), wide.dtype), np.bool_(False)),
+                _add_and_or,
+                tuple(range(wide.ndim)),
+            )
+            # No value changes (a NaN entry has made the sum NaN), but a reader of the sum
+            # alone (a loss scale's own check) then reads the whole reduction, which XLA
+            # computes once for it and for the norm, instead of shrinking a copy to the sum.
+            total = jnp.where(has_nan, np.array(np.nan, total.dtype), total)
+        else:
+            total, has_nan = jnp.sum(terms), jnp.isnan(jnp.sum(jnp.square(wide)))
+        totals.append(total)
+        nans.append(has_nan)
+    return totals, nans
 
 
-def global_norm_and_finite(
-    tree: PyTree, axis_name: AxisName | None, divisor: jax.Array | None = None
+def _add_and_or(
+    left: tuple[jax.Array, jax.Array], right: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
-    """The float32 L2 norm of the floating leaves of `tree`, and whether they are finite.
+    return left[0] + right[0], left[1] | right[1]
+
+
+class GradientCheck(NamedTuple):
+    """What one pass over the gradients tells, the same on every device of `axis_name`."""
+
+    norm: jax.Array  # float32 L2 norm: NaN when not finite, +inf when finite squares overflow
+    finite: jax.Array  # bool: no NaN, +inf or -inf
+    has_nan: jax.Array  # bool: a NaN (on some device)
+
+
+def check_gradients(
+    tree: PyTree, axis_name: AxisName | None, divisor: jax.Array | None = None
+) -> GradientCheck:
+    """The float32 L2 norm of the floating leaves of `tree`, whether they are finite and
+    whether one holds a NaN.
 
     With `divisor`, the norm of `tree / divisor`, the sums taken over `tree` itself and
     their root divided: exact for a power-of-two `divisor`, and no pass over `tree` has
-    to multiply (on a CPU, XLA's fastest reductions take no scaled input).
+    to multiply (on a CPU, XLA's fastest reductions take no scaled input). Dividing by a
+    positive finite `divisor` makes no NaN, so the flags are those of `tree / divisor`.
 
-    From `square_sums`, the same reductions as `finite_flag`'s, which XLA computes
-    once for both. With `axis_name`, under `shard_map` a leaf that varies over the
-    axis is a shard of the global gradient, so its squares are summed over the axis,
-    and a leaf the same on every device is counted once. `pmap` (and `shard_map`
-    with `check_vma=False`) does not say which leaves vary: each device's leaves are
-    taken as the whole gradient, as after the `pmean` of data-parallel training. The
-    devices then agree on the largest norm, and on the finite flag as `finite_flag` does.
-    The norm is NaN when a leaf is not finite, and +inf when finite squares overflow.
+    From `square_sums_and_nans`, the same reductions as `finite_flag`'s, which XLA
+    computes once for both. With `axis_name`, under `shard_map` a leaf that varies over
+    the axis is a shard of the global gradient, so its squares are summed over the axis,
+    and a leaf the same on every device is counted once. `pmap` (and `shard_map` with
+    `check_vma=False`) does not say which leaves vary: each device's leaves are taken as
+    the whole gradient, as after the `pmean` of data-parallel training. The devices then
+    agree on the largest norm, on the finite flag as `finite_flag` does, and on a NaN
+    held by any of them.
     """
     parts = floating_parts(tree)
-    totals = square_sums(parts)
+    totals, nans = square_sums_and_nans(parts, unsharded(axis_name))
     finite = _finite(totals, axis_name)
+    has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
+    if axis_name is not None:
+        has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
     if not totals:
-        return jnp.zeros([], jnp.float32), finite
+        return GradientCheck(jnp.zeros([], jnp.float32), finite, has_nan)
     if axis_name is None:
-        return _divided(jnp.sqrt(sum(totals)).astype(jnp.float32), divisor), finite
+        norm = _divided(jnp.sqrt(sum(totals)).astype(jnp.float32), divisor)
+        return GradientCheck(norm, finite, has_nan)
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
     for part, total in zip(parts, totals, strict=True):
@@ -118,25 +170,11 @@ def global_norm_and_finite(
     ]
     norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
     norm = _divided(norm, divisor)
-    return jnp.where(finite, norm, np.float32(np.nan)), finite  # NaN on every device
+    return GradientCheck(jnp.where(finite, norm, np.float32(np.nan)), finite, has_nan)
 
 
 def _divided(norm: jax.Array, divisor: jax.Array | None) -> jax.Array:
     return norm if divisor is None else cast(jax.Array, divide_floating(norm, divisor))
-
-
-def any_nan(tree: PyTree) -> jax.Array:
-    """Whether a floating leaf of `tree` holds a NaN.
-
-    A part holds a NaN when its sum of squares is NaN: infinities square to +inf,
-    and a sum of non-negative terms is NaN only if a term is. The squares are taken
-    in float32 or wider, where an 8-bit float without an infinity would overflow to NaN.
-    """
-    flags = [
-        jnp.isnan(jnp.sum(jnp.square(jnp.asarray(part, wide_dtype(part.dtype)))))
-        for part in floating_parts(tree)
-    ]
-    return jnp.stack(flags).any() if flags else jnp.array(False)
 
 
 def wide_dtype(dtype: Any) -> Any:

@@ -65,15 +65,16 @@ CONDITIONALS = {
 CUSTOM_CALL_TARGETS: set[str] = set()
 
 # Under SPMD on 8 devices, compiled on CPU: the all-reduces of the step, each as (where,
-# float32 scalars it reduces, distinct operands among them). "entry" runs every step; "skip
-# branch" only on a skipped step, where the NaN search over the sharded gradients needs one.
-# Each of the 3 sharded gradient leaves gives one partial sum per reduction. Under adam (a
-# cond) DynamicLossScale's finite check and the global norm share their local reductions of
-# the unscaled gradients, yet the partitioner all-reduces the three partial sums twice (6
-# operands, 3 distinct, in one combined all-reduce). Under sgd (selects) the check reads the
-# scaled gradients and the sums are all-reduced once (3). A FixedLossScale needs the norm
-# alone (3). The replicated leaf "g" and the replicated spike windows need none.
-_ONCE, _TWICE = [("entry", 3, 3), ("skip branch", 3, 3)], [("entry", 6, 3), ("skip branch", 3, 3)]
+# float32 scalars it reduces, distinct operands among them); all of them run on every step,
+# in one combined all-reduce in the entry computation. Each of the 3 sharded gradient leaves
+# gives one partial sum per reduction. Where leaves may be sharded, the NaN flag has a sum of
+# its own beside the check's (3 more operands). Under adam (a cond) DynamicLossScale's finite
+# check and the global norm share their local reductions of the unscaled gradients, yet the
+# partitioner all-reduces those three partial sums twice (9 operands, 6 distinct). Under sgd
+# (selects) the check reads the scaled gradients and its sums are all-reduced once (6). A
+# FixedLossScale needs the norm alone (3). The replicated leaf "g" and the replicated spike
+# windows need none.
+_ONCE, _TWICE = [("entry", 6, 6)], [("entry", 9, 6)]
 ALL_REDUCES = {
     optimizer: {
         "bare": [],
@@ -359,17 +360,44 @@ def test_the_conditional_reader_tells_a_constant_index_from_a_computed_one(platf
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_xla_folds_only_the_fixed_loss_scales_conditional(variant, optimizer):
-    """Compiled by XLA (on CPU, single device): the FixedLossScale step has no conditional
-    left, every other loss-scaled step one: under adam the skip, under sgd the search for a
-    NaN, which on a CPU runs on skipped steps only (elsewhere it is selected)."""
+    """Compiled by XLA (on CPU, single device): under adam the FixedLossScale step has no
+    conditional left and every other loss-scaled step one, the skip; under sgd no step has
+    one, the skip being selects and the NaN flag a by-product of the finite check."""
     tx = _tx(variant, optimizer)
     params = _params()
     step = jax.jit(_optimizer_step(tx, variant != "bare"), donate_argnums=(0, 1))
     state = jax.eval_shape(tx.init, params)
     compiled = step.lower(params, state, params, jnp.float32(2.0)).compile().as_text()
     opcodes = [opcode for _, opcode, _, _ in hlo_collectives(compiled)]
-    expected = 0 if variant in ("bare", "FixedLossScale") else 1
-    assert opcodes.count("conditional") == expected
+    skips_by_cond = optimizer == "adam" and variant not in ("bare", "FixedLossScale")
+    assert opcodes.count("conditional") == (1 if skips_by_cond else 0)
+
+
+MIN_BELOW_ONE = {
+    "DynamicLossScale": jls.DynamicLossScale(),
+    "min_loss_scale below 1": jls.DynamicLossScale(min_loss_scale=2.0**-10),
+    "FixedLossScale": jls.FixedLossScale(2.0**10),
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("loss_scale", MIN_BELOW_ONE.values(), ids=MIN_BELOW_ONE.keys())
+def test_one_reduction_per_leaf_checks_and_measures_under_pmap(loss_scale, optimizer):
+    """Compiled under `pmap` (CPU): one reduction per gradient leaf, giving both the sum for
+    the finite check and the norm and the NaN flag, and no other reduction; also where a
+    scale that can go below 1 makes the loss scale check the unscaled gradients in its own
+    `update`, which XLA computes together with the norm's."""
+    tx = jls.loss_scaled(OPTIMIZERS[optimizer](), loss_scale, axis_name="i")
+    params = jax.tree.map(lambda leaf: jnp.stack([leaf] * 2), _params())
+    state = jax.pmap(tx.init, axis_name="i", devices=jax.devices()[:2])(params)
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    pmapped = jax.pmap(step, axis_name="i", devices=jax.devices()[:2], donate_argnums=(0, 1))
+    text = pmapped.lower(params, state, params).compile().as_text()
+    assert re.findall(r"= (\([^)]*\)|\S+) reduce\(", text) == ["(f32[], pred[])"] * 4
 
 
 # --- Custom calls and host transfers --------------------------------------------------------
@@ -479,14 +507,13 @@ def test_spmd_lowering_keeps_gradients_and_params_sharded(variant, optimizer, pl
 def test_spmd_step_all_reduces_scalars_only(variant, optimizer):
     """Partitioned by XLA over 8 devices: no all-gather, reduce-scatter, all-to-all or
     collective permute, so no gradient ever leaves its device; the only collectives are
-    all-reduces of float32 scalars (partial sums for the finite check and the norm, and in the
-    skip branch for the NaN search), a few bytes each. On a GPU each is one small NCCL
-    all-reduce per step; the one in the skip branch runs only on skipped steps, on every
-    device alike, since the devices agree on the skip."""
+    all-reduces of float32 scalars (partial sums for the finite check, the norm and the NaN
+    flag), a few bytes each, combined into one. On a GPU that is one small NCCL all-reduce
+    per step."""
     found = hlo_collectives(spmd_compiled_on_cpu(variant, optimizer))
     opcodes = collections.Counter(opcode for _, opcode, _, _ in found)
     assert set(opcodes) <= {"all-reduce", "conditional"}
-    assert opcodes["conditional"] == (0 if variant in ("bare", "FixedLossScale") else 1)
+    assert opcodes["conditional"] == CONDITIONALS[optimizer][variant]
 
     all_reduces = [
         (where, shape, operands)

@@ -17,7 +17,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale._numerics import GROUP_SIZE, SMALL_PART, floating_parts
+from jax_lossscale._numerics import (
+    GROUP_SIZE,
+    SMALL_PART,
+    check_gradients,
+    floating_parts,
+    square_sums_and_nans,
+    unsharded,
+)
 
 N_DEVICES = 8
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
@@ -331,7 +338,7 @@ JOIN_SCRIPT = textwrap.dedent(
     import optax
 
     import jax_lossscale as jls
-    from jax_lossscale._numerics import any_nan, finite_flag
+    from jax_lossscale._numerics import check_gradients, finite_flag
 
     assert jax.device_count() == 1
     rng = np.random.default_rng(0)
@@ -341,6 +348,7 @@ JOIN_SCRIPT = textwrap.dedent(
             for i in range(300)}
     tree["big"] = rng.normal(size=(70, 100)).astype(np.float32)
     tree["big16"] = rng.normal(size=(5000,)).astype(np.float16)
+    has_nan = jax.jit(lambda t: check_gradients(t, None).has_nan)
     results = []
     for key in ["s000", "s001", "s004", "s137", "s299", "big", "big16"]:
         for value in ["nan", "inf", "-inf", None]:
@@ -349,7 +357,7 @@ JOIN_SCRIPT = textwrap.dedent(
                 leaf = np.array(t[key])
                 leaf.reshape(-1)[leaf.size // 2] = float(value)
                 t[key] = leaf
-            results.append([key, value, bool(jls.all_finite(t)), bool(jax.jit(any_nan)(t))])
+            results.append([key, value, bool(jls.all_finite(t)), bool(has_nan(t))])
     jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(tree))
     tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
     bad = dict(tree, s137=np.full_like(tree["s137"], np.nan))
@@ -357,7 +365,7 @@ JOIN_SCRIPT = textwrap.dedent(
     stats = jls.get_loss_scale_stats(state)
     print(json.dumps({
         "results": results,
-        "reductions": jaxpr.count("reduce_sum"),
+        "reductions": jaxpr.count("reduce["),
         "skipped_for_nan": int(stats.nan_skipped_steps),
     }))
     """
@@ -384,6 +392,81 @@ def test_one_device_joins_small_leaves_and_still_finds_each_nan_and_inf():
     # 302 leaves (60 of them complex, so 362 parts): two alone, the small ones in 4 groups,
     # one per dtype (the complex leaves' parts join the float32 ones).
     assert report["reductions"] == 2 + 4
+
+
+# Parts as `floating_parts` gives them, each with its expected (sum of squares, NaN flag): the
+# sum is NaN for any non-finite entry, +inf for finite squares that overflow, and the flag
+# is set for a NaN alone. Sums are in float32 (float16, bfloat16 and float8 parts widened).
+CHECKED_PARTS = {
+    "finite": (np.array([3.0, -4.0], np.float32), 25.0, False),
+    "nan": (np.array([1.0, np.nan], np.float32), np.nan, True),
+    "inf": (np.array([1.0, np.inf], np.float32), np.nan, False),
+    "-inf": (np.array([[1.0], [-np.inf]], np.float32), np.nan, False),
+    "nan and inf": (np.array([np.inf, np.nan, 2.0], np.float32), np.nan, True),
+    "squares overflow": (np.array([2e19, 1.0], np.float32), np.inf, False),
+    "float16": (np.array([256.0, 2.0], np.float16), 65540.0, False),
+    "float16 inf": (np.array([65504.0, np.inf], np.float16), np.nan, False),
+    "bfloat16 nan": (np.array([0.5, np.nan], jnp.bfloat16), np.nan, True),
+    "float8 nan": (np.array([448.0, np.nan], jnp.float8_e4m3fn), np.nan, True),
+    "float8 max": (np.array([448.0, 2.0], jnp.float8_e4m3fn), 200708.0, False),
+}
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one pass", "two passes"])
+@pytest.mark.parametrize("name", CHECKED_PARTS)
+def test_square_sums_and_nans_tell_a_nan_from_an_infinity(name, one_pass):
+    """Both formulations, jitted, give each part's sum (NaN for a non-finite entry, +inf when
+    finite squares overflow) and its NaN flag, an infinity not counting as a NaN."""
+    part, total, has_nan = CHECKED_PARTS[name]
+    totals, nans = jax.jit(lambda p: square_sums_and_nans([p], one_pass))(part)
+    assert totals[0].dtype == jnp.float32
+    np.testing.assert_array_equal(totals[0], np.float32(total))
+    assert bool(nans[0]) is has_nan
+
+
+def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
+    """Compiled for a CPU, one pass over three parts (a float32 matrix, a float16 vector, a
+    bfloat16 vector) is three reductions, each with the sum and the NaN flag as results; two
+    passes, where leaves may be sharded, are six."""
+    parts = [jnp.ones((64, 32)), jnp.ones(100, jnp.float16), jnp.ones(7, jnp.bfloat16)]
+
+    def reductions(one_pass):
+        text = jax.jit(lambda p: square_sums_and_nans(p, one_pass)).lower(parts).compile()
+        return re.findall(r"= (\([^)]*\)|\S+) reduce\(", text.as_text())
+
+    assert reductions(True) == ["(f32[], pred[])"] * 3
+    assert reductions(False) == ["f32[]"] * 6
+
+
+def test_the_nan_flag_is_one_pass_where_nothing_can_be_sharded():
+    """One pass inside `pmap` or `shard_map` (an `axis_name`) or with one device; two where
+    SPMD `jit` may shard a leaf over this process's 8 devices."""
+    assert jax.device_count() == N_DEVICES
+    assert unsharded("batch")
+    assert unsharded(("data", "model"))
+    assert not unsharded(None)
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf], ids=["finite", "nan", "inf"])
+def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
+    """A NaN or inf in one shard of a gradient split over 8 devices: SPMD `jit` (two passes)
+    and `pmap` over the same shards (one pass, combined over the axis) agree with one
+    device on the finite flag and the NaN flag, and on the norm of finite gradients."""
+    host = np.arange(64, dtype=np.float32).reshape(8, 8) / 8
+    if bad is not None:
+        host[5, 3] = bad
+    expected = check_gradients({"g": jnp.asarray(host)}, None)
+    mesh = jax.make_mesh((N_DEVICES,), ("d",))
+    sharded = jax.device_put(host, NamedSharding(mesh, P("d")))
+    spmd = jax.jit(lambda g: check_gradients({"g": g}, None))(sharded)
+    pmapped = jax.pmap(lambda g: check_gradients({"g": g}, "d"), axis_name="d")(host)
+    has_nan = bad is not None and bool(np.isnan(bad))
+    for result in (expected, spmd, *(jax.tree.map(lambda x, i=i: x[i], pmapped) for i in range(8))):
+        assert bool(result.finite) is (bad is None)
+        assert bool(result.has_nan) is has_nan
+    np.testing.assert_array_equal(spmd.norm, expected.norm)  # NaN, or the same finite norm
+    if bad is None:
+        np.testing.assert_allclose(spmd.norm, np.linalg.norm(host), rtol=1e-6)
 
 
 def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
