@@ -1,5 +1,8 @@
-"""What the tests share: bit-exact comparison of trees, and the reference model of the update
-rule (docs/update-rule.md) in plain Python, against which the jitted rule is checked."""
+"""What the tests share: bit-exact comparison of trees, the reductions of a compiled module,
+and the reference model of the update rule (docs/update-rule.md) in plain Python, against
+which the jitted rule is checked."""
+
+import re
 
 import chex
 import jax
@@ -31,6 +34,12 @@ def assert_bits_equal(actual, expected):
     chex.assert_trees_all_equal_dtypes(actual, expected)
     chex.assert_trees_all_equal_shapes(actual, expected)
     chex.assert_trees_all_equal(bits(actual), bits(expected))
+
+
+def compiled_reductions(compiled_text: str) -> list[str]:
+    """The result type of each `reduce` in an XLA module's text, e.g. `f32[]` for a sum and
+    `(f32[], pred[])` for a variadic reduction giving a sum and a flag."""
+    return re.findall(r"= (\([^)]*\)|\S+) reduce\(", compiled_text)
 
 
 class ReferenceLossScale:

@@ -26,6 +26,8 @@ from jax_lossscale._numerics import (
     unsharded,
 )
 
+from helpers import compiled_reductions
+
 N_DEVICES = 8
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
 NON_FINITE = [np.nan, np.inf, -np.inf]
@@ -432,7 +434,7 @@ def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
 
     def reductions(one_pass):
         text = jax.jit(lambda p: square_sums_and_nans(p, one_pass)).lower(parts).compile()
-        return re.findall(r"= (\([^)]*\)|\S+) reduce\(", text.as_text())
+        return compiled_reductions(text.as_text())
 
     assert reductions(True) == ["(f32[], pred[])"] * 3
     assert reductions(False) == ["f32[]"] * 6

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax_lossscale as jls
 from jax_lossscale._spikes import RecentValues, SpikeWindows
 
-from helpers import ReferenceLossScale, assert_bits_equal
+from helpers import ReferenceLossScale, assert_bits_equal, compiled_reductions
 
 NUM_DEVICES = 8
 AXIS = "d"
@@ -394,7 +394,7 @@ def test_without_spike_skipping_the_state_holds_no_window():
 
 
 def _reductions(compiled_text: str) -> int:
-    return len(re.findall(r"= (?:\([^)]*\)|\S+) reduce\(", compiled_text))
+    return len(compiled_reductions(compiled_text))
 
 
 def test_the_norm_comes_from_the_finite_check_s_reductions():
