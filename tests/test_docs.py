@@ -10,8 +10,16 @@ import jax_lossscale
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
+# The distributed page's set-up line gives JAX 8 devices, as the suite does.
+MULTI_DEVICE_PAGES = {"distributed.md"}
 BLOCKS = [
-    (page.name, index, block)
+    pytest.param(
+        page.name,
+        index,
+        block,
+        id=f"{page.name}[{index}]",
+        marks=[pytest.mark.multi_device] if page.name in MULTI_DEVICE_PAGES else [],
+    )
     for page in PAGES
     for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL))
 ]
@@ -22,9 +30,7 @@ def test_the_docs_have_pages_with_python_blocks():
     assert len(BLOCKS) >= 20
 
 
-@pytest.mark.parametrize(
-    ("page", "index", "block"), BLOCKS, ids=[f"{page}[{index}]" for page, index, _ in BLOCKS]
-)
+@pytest.mark.parametrize(("page", "index", "block"), BLOCKS)
 def test_docs_block_runs_and_prints_what_it_says(page, index, block, capsys):
     exec(compile(block, f"docs/{page}[python block {index}]", "exec"), {})
     expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
