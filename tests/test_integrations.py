@@ -335,3 +335,59 @@ def test_equinox_params_that_bare_optax_accepts_are_accepted(params_of):
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     updates, _ = tx.update(grads, opt_state, params_of(model))
     chex.assert_trees_all_close(updates, bare_updates, rtol=1e-6)
+
+
+# --- sgd with momentum: the skip made by selects ---------------------------------------------
+
+
+def nesterov_sgd():
+    return optax.sgd(0.05, momentum=0.9, nesterov=True)
+
+
+def test_nnx_bfloat16_params_with_nesterov_sgd():
+    """bfloat16 params and gradients under sgd with momentum, whose state is no larger than the
+    gradients, so the skip is made by selects: params and momentum kept bit for bit on the
+    poisoned step, which is counted as a NaN skip (inf times gradients that are zero)."""
+    model = NnxGPT(nnx.Rngs(4), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    optimizer = nnx.Optimizer(model, jls.loss_scaled(nesterov_sgd(), loss_scale()), wrt=nnx.Param)
+    tokens, targets = batch()
+    losses, scales = [], []
+    for poison in POISONED:
+        kept = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state).inner_state)
+        before = jax.tree.map(jnp.copy, kept)  # donated by the step
+        losses.append(float(nnx_train_step(model, optimizer, tokens, targets, poison)))
+        scales.append(float(jls.get_loss_scale(optimizer)))
+        after = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state).inner_state)
+        if poison:
+            chex.assert_trees_all_equal(bits(after), bits(before))
+    assert scales == EXPECTED_SCALES
+    assert losses[-1] < losses[0]
+    stats = jls.get_loss_scale_stats(optimizer)
+    counts = (stats.skipped_steps, stats.nan_skipped_steps, stats.inf_skipped_steps)
+    assert tuple(int(count) for count in counts) == (1, 1, 0)
+    momentum = jax.tree.leaves(nnx.as_pure(optimizer.opt_state).inner_state)
+    assert {leaf.dtype for leaf in momentum} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_equinox_float16_gpt_with_nesterov_sgd():
+    """The equinox GPT (float32 master weights, float16 compute) under sgd with momentum: the
+    skip by selects keeps params and momentum bit for bit and counts a NaN skip."""
+    tx = jls.loss_scaled(nesterov_sgd(), loss_scale())
+    model = EqxGPT(jax.random.key(2))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_eqx_step(tx, PARAMS_OF["filter_is_array"])
+    tokens, targets = batch()
+    losses, scales = [], []
+    for poison in POISONED:
+        before = jax.tree.map(jnp.copy, (eqx.filter(model, eqx.is_array), opt_state.inner_state))
+        model, opt_state, loss = step((tokens, targets, poison), model, opt_state)
+        losses.append(float(loss))
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        if poison:
+            after = (eqx.filter(model, eqx.is_array), opt_state.inner_state)
+            chex.assert_trees_all_equal(bits(after), bits(before))
+    assert scales == EXPECTED_SCALES
+    assert losses[-1] < losses[0]
+    stats = jls.get_loss_scale_stats(opt_state)
+    counts = (stats.skipped_steps, stats.nan_skipped_steps, stats.inf_skipped_steps)
+    assert tuple(int(count) for count in counts) == (1, 1, 0)
