@@ -32,7 +32,7 @@ class LossScale(abc.ABC):
     frozen dataclass is. Decorate a subclass with `jax_lossscale.register` to
     make it known to `deserialize` and `get`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> ls = jls.FixedLossScale(128.0)
@@ -143,7 +143,7 @@ class LossScale(abc.ABC):
           `grads` with each floating leaf divided by the scale, computed in
           float32 (or wider) and cast back to the leaf's own dtype.
 
-        Example:
+        Examples:
           >>> import jax.numpy as jnp
           >>> import jax_lossscale as jls
           >>> ls = jls.FixedLossScale(1024.0)

@@ -28,7 +28,7 @@ def count_non_finite(tree: PyTree) -> PyTree:
       A pytree of the same structure whose leaves are int32 scalar arrays. A count
       stops at 2**31 - 1, for leaves with more non-finite entries than that.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> grads = {"dense": {"b": jnp.zeros(2), "w": jnp.array([1.0, jnp.inf, jnp.nan])}}
@@ -79,7 +79,7 @@ def non_finite_paths(counts: PyTree) -> dict[str, int]:
     Returns:
       A dict from path to count, in the tree's leaf order; empty when all is finite.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> grads = {"dense": {"b": jnp.zeros(2), "w": jnp.array([1.0, jnp.inf, jnp.nan])}}
@@ -132,7 +132,7 @@ def check_not_stuck(
     Returns:
       None when the run is not stuck; else the message it raised or warned with.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls

@@ -19,7 +19,7 @@ from jax_lossscale._types import AxisName, PyTree
 class DynamicLossScaleState(NamedTuple):
     """State of a `DynamicLossScale`: three scalar arrays.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.DynamicLossScale(hysteresis=2).init()
       DynamicLossScaleState(loss_scale=Array(32768., dtype=float32),
@@ -80,7 +80,7 @@ class DynamicLossScale(LossScale):
       consecutive_hysteresis: if true, every finite step (not only a completed
         period) restores the full `hysteresis` tolerance.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> ls = jls.DynamicLossScale(initial_loss_scale=2.0**15, increment_period=2)

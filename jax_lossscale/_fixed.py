@@ -15,7 +15,7 @@ from jax_lossscale._types import AxisName, PyTree
 class FixedLossScaleState(NamedTuple):
     """State of a `FixedLossScale`: the scale as a float32 scalar array.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.FixedLossScale(8.0).init()
       FixedLossScaleState(loss_scale=Array(8., dtype=float32))
@@ -37,7 +37,7 @@ class FixedLossScale(LossScale):
     Args:
       loss_scale_value: the scale, a real number >= 1.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> ls = jls.FixedLossScale(2.0**10)

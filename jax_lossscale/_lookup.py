@@ -29,7 +29,7 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
       LookupError: if `opt_state` holds no `LossScaledState`.
       ValueError: if it holds more than one; pass the part that holds the one you mean.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls
@@ -55,7 +55,7 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
       LookupError: if `opt_state` holds no `LossScaledState`.
       ValueError: if it holds more than one.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls

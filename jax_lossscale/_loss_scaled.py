@@ -67,7 +67,7 @@ def loss_scaled(
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
 
-    Example:
+    Examples:
       >>> import jax
       >>> import jax.numpy as jnp
       >>> import optax

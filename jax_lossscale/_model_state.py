@@ -30,7 +30,7 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
     Returns:
       A pytree like `new`: each leaf from `new` or from `old`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls

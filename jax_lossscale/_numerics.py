@@ -36,7 +36,7 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
     Returns:
       A boolean scalar array.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> jls.all_finite({"w": jnp.ones(3), "b": None})

@@ -32,7 +32,7 @@ _KERAS = {"mixed_float16": jnp.float16, "mixed_bfloat16": jnp.bfloat16}
 def half_dtype() -> np.dtype[Any]:
     """The half-precision dtype to compute in: bfloat16 on TPUs, float16 elsewhere.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.half_dtype()  # on a CPU or a GPU
       dtype('float16')
@@ -49,7 +49,7 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
     jitted graph. NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
     equinox modules, flax nnx `State`s, linen variable dicts.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3), "name": "dense"}
@@ -73,7 +73,7 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 def cast_to_full(tree: PyTree) -> PyTree:
     """`cast_tree(tree, jnp.float32)`, as jmp's `cast_to_full`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> jls.cast_to_full({"h": jnp.ones(2, jnp.float16)})
@@ -85,7 +85,7 @@ def cast_to_full(tree: PyTree) -> PyTree:
 def cast_to_half(tree: PyTree) -> PyTree:
     """`cast_tree(tree, half_dtype())`, as jmp's `cast_to_half`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> jls.cast_to_half({"w": jnp.ones(2)})  # on a CPU or a GPU
@@ -103,7 +103,7 @@ class Policy:
     (`"float16"`, `"bf16"`, `"half"`, ...); `get_policy` parses a whole policy from a
     string, and `str(policy)` writes one it parses back.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> policy = jls.Policy(jnp.float32, jnp.float16, jnp.float32)
@@ -163,7 +163,7 @@ def get_policy(policy_name: str) -> Policy:
     Raises:
       ValueError: naming the string and the part of it that is wrong.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> str(jls.get_policy("c=f16"))
       'p=f32,c=f16,o=f16'
@@ -208,7 +208,7 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
     float32 (float64 ones stay float64), the rest as `cast_tree` leaves them; the
     outputs are cast to `output_dtype`, or left as `fn` returns them when it is None.
 
-    Example:
+    Examples:
       >>> import jax
       >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls

@@ -20,7 +20,7 @@ _REGISTRY: dict[str, type[LossScale]] = {
 def register(cls: _LossScaleType) -> _LossScaleType:
     """Makes a `LossScale` subclass known to `deserialize` and `get`, by its class name.
 
-    Example:
+    Examples:
       >>> import dataclasses
       >>> import jax_lossscale as jls
       >>> @jls.register
@@ -50,7 +50,7 @@ def register(cls: _LossScaleType) -> _LossScaleType:
 def serialize(loss_scale: LossScale) -> dict[str, Any]:
     """Returns `{"class_name": ..., "config": ...}`, a JSON-able description of `loss_scale`.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.serialize(jls.FixedLossScale(128))
       {'class_name': 'FixedLossScale', 'config': {'loss_scale_value': 128.0}}
@@ -73,7 +73,7 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
 def deserialize(config: dict[str, Any]) -> LossScale:
     """Rebuilds a loss scale from the dict returned by `serialize`.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.deserialize({"class_name": "DynamicLossScale", "config": {"increment_period": 10}})
       DynamicLossScale(initial_loss_scale=32768.0, increment_period=10, ...)
@@ -105,7 +105,7 @@ def get(identifier: Any) -> LossScale | None:
     gives `DynamicLossScale()`; a dict is passed to `deserialize`; a `LossScale`
     is returned as it is.
 
-    Example:
+    Examples:
       >>> import jax_lossscale as jls
       >>> jls.get(1024)
       FixedLossScale(loss_scale_value=1024.0)

@@ -41,7 +41,7 @@ class LossScaleStats(NamedTuple):
     `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
     growing is stuck, typically at the minimum scale.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls
@@ -75,7 +75,7 @@ class LossScaledState(NamedTuple):
     holds what the wrapper counts; `spike_windows` the windows of spike skipping,
     None unless `skip_spike_sigmas` is set.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls

@@ -39,7 +39,7 @@ def value_and_grad(
       using: the value-and-grad transformation, `jax.value_and_grad` by default;
         `eqx.filter_value_and_grad` or `nnx.value_and_grad` for those frameworks.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import jax_lossscale as jls
