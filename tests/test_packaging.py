@@ -28,6 +28,12 @@ def test_the_license_is_the_apache_2_text_and_ships_with_the_package():
     assert "LICENSE" in PYPROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
 
 
+def test_the_sdist_holds_what_the_site_and_its_test_build_from():
+    # docs/notebooks links to notebooks/: without it the site's test fails from an sdist.
+    include = PYPROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    assert {"docs", "notebooks", "mkdocs.yml", "tests"} <= set(include)
+
+
 def test_classifiers_name_the_python_versions_and_typing():
     classifiers = PYPROJECT["project"]["classifiers"]
     for version in ("3.11", "3.12", "3.13"):
