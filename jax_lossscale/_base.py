@@ -141,14 +141,16 @@ class LossScale(abc.ABC):
 
         Returns:
           `grads` with each floating leaf divided by the scale, computed in
-          float32 (or wider) and cast back to the leaf's own dtype.
+          float32 (or wider): a float16 leaf comes back float32, since float16
+          holds a scaled gradient but not always the unscaled one (a true
+          gradient of 1e-6 is subnormal there); other leaves keep their dtype.
 
         Examples:
           >>> import jax.numpy as jnp
           >>> import jax_lossscale as jls
           >>> ls = jls.FixedLossScale(1024.0)
           >>> ls.unscale(ls.init(), {"w": jnp.array([2048.0], jnp.float16), "n": jnp.array(3)})
-          {'n': Array(3, dtype=int32, weak_type=True), 'w': Array([2.], dtype=float16)}
+          {'n': Array(3, dtype=int32, weak_type=True), 'w': Array([2.], dtype=float32)}
         """
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
         return divide_floating(grads, self._checked_scale(state))

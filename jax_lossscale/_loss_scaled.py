@@ -146,7 +146,7 @@ def loss_scaled(
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
             with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
                 barrier = jax.lax.optimization_barrier(state.loss_scale_state)
-                grads = loss_scale.unscale(barrier, scaled_grads)
+                grads = _widened(loss_scale.unscale(barrier, scaled_grads), scaled_grads, params)
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
         new_updates, inner_state = apply_or_skip(
@@ -165,6 +165,31 @@ def loss_scaled(
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _widened(
+    grads: optax.Updates, scaled_grads: optax.Updates, params: optax.Params | None
+) -> optax.Updates:
+    """`grads`, each unscaled float16 leaf in its param's dtype where that is wider than
+    float32 (float64 under x64), when `params` has the gradients' structure."""
+    structures = {str(jax.tree.structure(tree)) for tree in (grads, scaled_grads, params)}
+    if params is None or len(structures) > 1:  # (a user's unscale may change the structure)
+        return grads
+
+    def widen(grad: jax.Array, scaled: jax.Array, param: Any) -> jax.Array:
+        param_dtype = getattr(param, "dtype", None)
+        if (
+            scaled.dtype == jnp.float16
+            and param_dtype is not None
+            and jnp.issubdtype(param_dtype, jnp.floating)
+            and jnp.finfo(param_dtype).bits > jnp.finfo(grad.dtype).bits
+            and jnp.promote_types(grad.dtype, param_dtype) == param_dtype
+        ):
+            return grad.astype(param_dtype)
+        return grad
+
+    widened: optax.Updates = jax.tree.map(widen, grads, scaled_grads, params)
+    return widened
 
 
 def _checked_inner(

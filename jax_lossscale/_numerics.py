@@ -229,7 +229,8 @@ def multiply_floating(tree: PyTree, factor: jax.Array) -> PyTree:
 
 @jax.jit
 def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
-    """`leaf / divisor` for each floating leaf, computed in float32 or wider, in the leaf's dtype.
+    """`leaf / divisor` for each floating leaf, computed in float32 or wider, in the leaf's
+    `unscaled_dtype` (float32 for float16, the leaf's own dtype otherwise).
 
     Each leaf is multiplied by the reciprocal of `divisor` rather than divided by it:
     a multiplication is cheap enough for XLA to fuse it into every consumer, where a
@@ -239,20 +240,40 @@ def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
     1.0 unless `divisor` exceeds 2**126, so that it never becomes a subnormal number
     (which XLA flushes to zero on some backends).
     """
-    divisor = divisor.astype(jnp.float32)
-    bounded = jnp.minimum(divisor, np.float32(2.0**126))
-    reciprocal, correction = 1 / bounded, bounded / divisor
+    reciprocal, correction = reciprocal_factors(divisor)
 
     def unscale(leaf: jax.Array, wide: Any) -> jax.Array:
         return leaf.astype(wide) * reciprocal.astype(wide) * correction.astype(wide)
 
-    return _map_floating(unscale, tree)
+    return _map_floating(unscale, tree, unscaled_dtype)
 
 
-def _map_floating(fn: Callable[[jax.Array, Any], jax.Array], tree: PyTree) -> PyTree:
+def reciprocal_factors(divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two float32 factors whose product is `1 / divisor`, neither of them subnormal."""
+    divisor = divisor.astype(jnp.float32)
+    bounded = jnp.minimum(divisor, np.float32(2.0**126))
+    return 1 / bounded, bounded / divisor
+
+
+def unscaled_dtype(dtype: Any) -> Any:
+    """The dtype of an unscaled gradient of dtype `dtype`: float32 for float16, which holds
+    a scaled gradient but not always the unscaled one (a true gradient of 1e-6 is subnormal
+    there), the gradient's own dtype otherwise."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
+def _same_dtype(dtype: Any) -> Any:
+    return dtype
+
+
+def _map_floating(
+    fn: Callable[[jax.Array, Any], jax.Array],
+    tree: PyTree,
+    out_dtype: Callable[[Any], Any] = _same_dtype,
+) -> PyTree:
     def apply(leaf: jax.Array) -> jax.Array:
         if not is_floating(leaf):
             return leaf
-        return fn(leaf, wide_dtype(leaf.dtype)).astype(leaf.dtype)
+        return fn(leaf, wide_dtype(leaf.dtype)).astype(out_dtype(leaf.dtype))
 
     return jax.tree.map(apply, tree)

@@ -1,4 +1,5 @@
-"""Dtypes (docs/reliability.md): a float32 scale, float32 arithmetic, every leaf keeps its dtype."""
+"""Dtypes (docs/reliability.md): a float32 scale, float32 arithmetic, every leaf keeps its dtype
+but a float16 gradient, which comes back float32 from the unscale."""
 
 import chex
 import jax
@@ -39,6 +40,11 @@ def scale(ls: jls.LossScale, state, tree):
     return ls.scale(state, tree)
 
 
+def unscaled(dtype):
+    """The dtype of an unscaled gradient: float32 for float16, its own otherwise."""
+    return np.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
 def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
     assert ls(state).dtype == jnp.float32
     assert ls(state).shape == ()
@@ -49,10 +55,9 @@ def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
 
 @pytest.mark.parametrize("ls", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(jit_or_eager, ls, dtype):
+def test_unscale_computes_in_float32_and_widens_only_float16(jit_or_eager, ls, dtype):
     x = np.array(VALUES, np.float32).astype(dtype)
-    with np.errstate(over="ignore"):  # 60000 / 0.5 is inf in float16, in both computations
-        expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(dtype)
+    expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(unscaled(dtype))
 
     out = jit_or_eager(unscale, ls, ls.init(), {"g": x, "s": x[3]})
 
@@ -61,14 +66,13 @@ def test_unscale_computes_in_float32_and_keeps_the_leaf_dtype(jit_or_eager, ls, 
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_by_a_scale_that_is_not_a_power_of_two_keeps_dtype_and_is_close(
-    jit_or_eager, dtype
-):
+def test_unscale_by_a_scale_that_is_not_a_power_of_two_is_close(jit_or_eager, dtype):
     x = np.array(VALUES, np.float32).astype(dtype)
-    expected = (x.astype(np.float32) / np.float32(3.0)).astype(dtype)
+    expected = (x.astype(np.float32) / np.float32(3.0)).astype(unscaled(dtype))
     out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(3.0)), x)
-    assert out.dtype == dtype
-    chex.assert_trees_all_close(out, expected, rtol=float(jnp.finfo(dtype).eps), atol=0.0)
+    assert out.dtype == unscaled(dtype)
+    rtol = float(jnp.finfo(unscaled(dtype)).eps)
+    chex.assert_trees_all_close(out, expected, rtol=rtol, atol=0.0)
 
 
 def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale(jit_or_eager):
@@ -111,29 +115,52 @@ def test_unscale_float16_near_its_maximum_is_exact(jit_or_eager, loss_scale, exp
     ls = jls.DynamicLossScale(loss_scale)
     out = jit_or_eager(unscale, ls, ls.init(), {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
     chex.assert_trees_all_equal(
-        out, {"g": np.array([expected, -expected], np.float16)}, strict=True
+        out, {"g": np.array([expected, -expected], np.float32)}, strict=True
     )
-    assert float(np.float16(expected)) == expected
+    assert float(np.float32(expected)) == expected
 
 
 def test_unscale_float16_maximum_by_2_pow_16_is_exact(jit_or_eager):
     out = jit_or_eager(
         unscale, *with_state(jls.FixedLossScale(2.0**16)), jnp.array(F16_MAX, jnp.float16)
     )
-    chex.assert_trees_all_equal(out, np.float16(0.99951171875), strict=True)
+    chex.assert_trees_all_equal(out, np.float32(0.99951171875), strict=True)
 
 
-def test_unscale_float16_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(jit_or_eager):
+def test_unscale_float16_below_a_scale_of_one_is_float32_and_finite(jit_or_eager):
+    # Unscaled in float16, 60000 / 0.5 would be inf; in float32 it is 120000.
     ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
     state = ls.init()
     grads = {"w": jnp.array([60000.0, -60000.0, 30000.0, 1.0], jnp.float16)}
 
-    unscaled = jit_or_eager(ls.unscale, state, grads)
+    out = jit_or_eager(ls.unscale, state, grads)
     chex.assert_trees_all_equal(
-        unscaled, {"w": np.array([np.inf, -np.inf, 60000.0, 2.0], np.float16)}, strict=True
+        out, {"w": np.array([120000.0, -120000.0, 60000.0, 2.0], np.float32)}, strict=True
     )
 
-    new_state, should_apply = jit_or_eager(ls.update, state, unscaled)
+    new_state, should_apply = jit_or_eager(ls.update, state, out)
+    assert should_apply.dtype == jnp.bool_
+    assert bool(should_apply)
+    chex.assert_trees_all_equal(
+        new_state,
+        jls.DynamicLossScaleState(
+            loss_scale=np.float32(0.5), good_steps=np.int32(1), overflows_until_backoff=np.int32(1)
+        ),
+        strict=True,
+    )
+
+
+def test_unscale_float32_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(jit_or_eager):
+    ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
+    state = ls.init()
+    grads = {"w": jnp.array([3e38, -3e38, 1e38, 1.0], jnp.float32)}
+
+    out = jit_or_eager(ls.unscale, state, grads)
+    chex.assert_trees_all_equal(
+        out, {"w": np.array([np.inf, -np.inf, 2e38, 2.0], np.float32)}, strict=True
+    )
+
+    new_state, should_apply = jit_or_eager(ls.update, state, out)
     assert should_apply.dtype == jnp.bool_
     assert not bool(should_apply)
     chex.assert_trees_all_equal(
@@ -231,15 +258,19 @@ def test_mixed_tree_keeps_every_leaf_dtype_and_structure(jit_or_eager, method):
     out = jit_or_eager(scale if method == "scale" else unscale, ls, ls.init(), tree)
 
     chex.assert_trees_all_equal_structs(out, tree)
-    chex.assert_trees_all_equal_dtypes(out, tree)
     chex.assert_trees_all_equal_shapes(out, tree)
+    out_dtypes = jax.tree.map(lambda x: np.dtype(x.dtype), out)
+    widen = unscaled if method == "unscale" else (lambda dtype: dtype)
+    assert out_dtypes == jax.tree.map(lambda x: np.dtype(widen(x.dtype)), tree)
     chex.assert_trees_all_equal(out["i32"], tree["i32"], strict=True)
 
     wide = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
     op = np.multiply if method == "scale" else np.divide
     with np.errstate(over="ignore"):  # -60000 * 4 is -inf in float16, in both computations
         expected = jax.tree.map(
-            lambda w, x: op(w, np.float32(4.0)).astype(x.dtype) if x.dtype != np.int32 else x,
+            lambda w, x: (
+                op(w, np.float32(4.0)).astype(widen(x.dtype)) if x.dtype != np.int32 else x
+            ),
             wide,
             tree,
         )

@@ -103,21 +103,20 @@ def test_fixed_loss_scale_never_skips(jit_or_eager):
         assert stats_tuple(opt_state) == (8.0, 0, True)
 
 
-def test_a_scale_below_one_checks_the_unscaled_gradients(jit_or_eager):
-    """At a scale of 0.5, a float16 gradient of 40000 is finite scaled and 80000, beyond
-    float16, unscaled: the step is skipped as an overflow, where a check of the scaled
-    gradients would apply an infinite update."""
+def test_a_scale_below_one_unscales_float16_to_a_finite_float32(jit_or_eager):
+    """At a scale of 0.5, a float16 gradient of 40000 is 80000 unscaled: beyond float16,
+    but it comes back float32, finite, and the step is applied."""
     tx = jls.loss_scaled(
         optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=0.5, min_loss_scale=0.25)
     )
-    params = {"w": jnp.array([1.0, 2.0], jnp.float16)}
+    params = {"w": jnp.array([1.0, 2.0], jnp.float32)}
     opt_state = tx.init(params)
     grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
     updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
-    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0], jnp.float16)})
+    assert_bits_equal(updates, {"w": jnp.array([-80000.0, -2.0], jnp.float32)})
     stats = jls.get_loss_scale_stats(opt_state)
-    assert (float(stats.loss_scale), int(stats.inf_skipped_steps)) == (0.25, 1)
-    assert np.isnan(stats.grad_norm)
+    assert (float(stats.loss_scale), int(stats.skipped_steps)) == (0.5, 0)
+    assert stats.grad_norm == np.float32(np.hypot(80000.0, 2.0))
 
 
 def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eager):
@@ -184,9 +183,10 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, 
         updates, new_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
         expected_scale /= 2
         assert stats_tuple(new_state) == (expected_scale, skipped, False)
+        updates_dtype = jnp.float32 if dtype == jnp.float16 else dtype  # unscaled to float32
         negative_zero = {
-            "w": array_of(dtype, [-0.0] * 7, [-0.0] * 7),
-            "b": array_of(dtype, -0.0, -0.0),
+            "w": array_of(updates_dtype, [-0.0] * 7, [-0.0] * 7),
+            "b": array_of(updates_dtype, -0.0, -0.0),
         }
         assert_bits_equal(updates, negative_zero)
         assert_bits_equal(optax.apply_updates(params, updates), params)
@@ -484,28 +484,64 @@ def test_schedule_outside_the_wrapper_counts_skipped_steps(jit_or_eager, place):
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("make_inner", [optax.sgd, optax.adam], ids=["sgd", "adam"])
-def test_half_precision_dtypes_kept(jit_or_eager, dtype, make_inner):
+def test_half_precision_dtypes(jit_or_eager, dtype, make_inner):
+    """bfloat16 gradients reach the inner optimizer as bfloat16; float16 ones as float32
+    (float16 holds a scaled gradient but not always the unscaled one), so that its
+    updates and any state it computes from them are float32, as bare optax makes them
+    from float32 gradients."""
     inner = make_inner(0.125)
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=256.0))
     params = {"w": jnp.array([1.0, -2.0, 4.0], dtype), "b": jnp.array(0.5, dtype)}
     init_state = tx.init(params)
     chex.assert_trees_all_equal_dtypes(init_state.inner_state, inner.init(params))
     grads = {"w": jnp.array([256.0, -512.0, 128.0], dtype), "b": jnp.array(64.0, dtype)}
+    unscaled_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+    true_grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / 256).astype(unscaled_dtype), grads)
     updates, opt_state = jit_or_eager(tx.update, grads, init_state, params)
-    chex.assert_trees_all_equal_dtypes(updates, params)
-    chex.assert_trees_all_equal_dtypes(opt_state, init_state)
-    ref_updates, ref_state = jit_or_eager(
-        inner.update, scaled(grads, 1 / 256), inner.init(params), params
-    )
+    ref_updates, ref_state = jit_or_eager(inner.update, true_grads, inner.init(params), params)
+    chex.assert_trees_all_equal_dtypes(updates, true_grads)
     assert_bits_equal(updates, ref_updates)
     assert_bits_equal(opt_state.inner_state, ref_state)
 
     bad = {"w": grads["w"].at[0].set(jnp.inf), "b": grads["b"]}
     updates, skipped_state = jit_or_eager(tx.update, bad, opt_state, params)
-    chex.assert_trees_all_equal_dtypes(updates, params)
-    chex.assert_trees_all_equal_dtypes(skipped_state, init_state)
+    chex.assert_trees_all_equal_dtypes(updates, true_grads)
+    chex.assert_trees_all_equal_dtypes(skipped_state, opt_state)
     assert jls.get_loss_scale(skipped_state).dtype == jnp.float32
     assert stats_tuple(skipped_state) == (128.0, 1, False)
+
+
+def test_float16_gradients_of_float32_params_are_unscaled_to_float32(jit_or_eager):
+    """True gradients of 1e-6 to 1e-3, scaled by 2**15 into float16: unscaled in float16
+    they flush or lose their bits (adam's updates were -0.12, -0.18, -2.98, -100); unscaled
+    to float32 adam's updates are about -1e-3 each, those of bare adam on the true values."""
+    true = np.array([1e-6, 2e-6, 3e-5, 1e-3], np.float32)
+    grads = {"w": jnp.asarray((true * 2**15).astype(np.float16))}
+    params = {"w": jnp.zeros(4, jnp.float32)}
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(2.0**15))
+    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+
+    assert updates["w"].dtype == jnp.float32
+    np.testing.assert_allclose(
+        updates["w"], [-0.00099009, -0.00099502, -0.00099966, -0.00099998], rtol=1e-5
+    )
+    unscaled = {"w": grads["w"].astype(jnp.float32) / 2**15}
+    ref_updates, ref_state = optax.adam(1e-3).update(unscaled, optax.adam(1e-3).init(params))
+    assert_bits_equal(updates, ref_updates)
+    assert_bits_equal(opt_state.inner_state, ref_state)
+    chex.assert_trees_all_equal_dtypes(opt_state.inner_state, optax.adam(1e-3).init(params))
+
+
+def test_float16_gradients_of_float64_params_come_back_float64(jit_or_eager):
+    with jax.enable_x64(True):
+        params = {"w": jnp.zeros(2, jnp.float64), "v": jnp.zeros(2, jnp.float32)}
+        grads = {"w": jnp.array([3.0, 1e-3], jnp.float16), "v": jnp.array([3.0, 1.0], jnp.float16)}
+        tx = jls.loss_scaled(optax.sgd(1.0), jls.FixedLossScale(4.0))
+        updates, _ = jit_or_eager(tx.update, grads, tx.init(params), params)
+        expected_w = np.array([-0.75, -np.float16(1e-3) / 4], np.float64)
+        chex.assert_trees_all_equal(
+            updates, {"w": expected_w, "v": np.array([-0.75, -0.25], np.float32)}, strict=True
+        )
 
 
 # --- 6. errors ------------------------------------------------------------------------------
