@@ -50,7 +50,9 @@ def loss_scaled(
     `skip_spike_sigmas`, when it (or the true, unscaled loss passed as
     `update(..., value=loss)`) is not finite or is that many standard deviations above
     the mean of the last `spike_window` applied steps'. The loss scale sees a spike as
-    the finite step it is.
+    the finite step it is. The windows re-baseline: after `max(1, spike_window // 4)`
+    spikes in a row against them, later steps above them are applied and enter them
+    until one is within them, so a lasting change of level never stops a run.
 
     Args:
       inner: the optax transformation to apply to the unscaled gradients, e.g.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import check_named_arrays, describe
+from jax_lossscale._checks import INT32_MAX, check_named_arrays, describe, describe_array
 
 
 class RecentValues(NamedTuple):
@@ -26,6 +26,8 @@ class SpikeWindows(NamedTuple):
 
     grad_norm: RecentValues
     loss: RecentValues  # filled only by steps given `value=`
+    # int32: finite steps in a row above a full window (skipped, or applied to re-baseline)
+    spikes_in_a_row: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,13 @@ class SpikeRule:
     `sigmas`, when its gradient norm (or the loss given as `value=`) is not finite, or
     the window of the last `window` applied steps is full and the value is above its
     mean plus `sigmas` standard deviations (the population's).
+
+    The windows re-baseline: once `rebaseline_after` finite steps in a row were above
+    them, the next ones above them are not spikes (they are applied, unless the bound or
+    the loss scale skips them, and enter the windows) until a step is within them again.
+    A lasting change of level (the norm moving from 1.0 to 1.5 for good) or a window of
+    zeros followed by nonzero norms thus costs `rebaseline_after` skipped steps, never
+    the run.
     """
 
     norm_above: float | None = None
@@ -55,6 +64,12 @@ class SpikeRule:
     def keeps_windows(self) -> bool:
         return self.sigmas is not None
 
+    @property
+    def rebaseline_after(self) -> int:
+        """How many steps in a row above the windows are skipped before the windows follow
+        the new level: a quarter of the window, at least 1."""
+        return max(1, self.window // 4)
+
     def init(self) -> SpikeWindows | None:
         """Empty windows, or None when the rule reads none."""
         if not self.keeps_windows:
@@ -67,7 +82,9 @@ class SpikeRule:
                 next_index=jnp.zeros([], jnp.int32),
             )
 
-        return SpikeWindows(grad_norm=empty(), loss=empty())
+        return SpikeWindows(
+            grad_norm=empty(), loss=empty(), spikes_in_a_row=jnp.zeros([], jnp.int32)
+        )
 
     def loss(self, value: Any) -> jax.Array | None:
         """The `value=` extra argument as a float32 scalar, when the rule reads it."""
@@ -94,11 +111,23 @@ class SpikeRule:
         spikes = []
         if self.norm_above is not None:
             spikes.append(grad_norm > np.float32(self.norm_above))
-        if windows is not None and self.sigmas is not None:
-            spikes.append(_beyond(grad_norm, windows.grad_norm, self.sigmas))
-            if loss is not None:
-                spikes.append(_beyond(loss, windows.loss, self.sigmas))
+        if windows is not None:
+            finite, above = self._window_test(windows, grad_norm, loss)
+            rebaselining = windows.spikes_in_a_row >= self.rebaseline_after
+            spikes.append(~finite | (above & ~rebaselining))
         return functools.reduce(jnp.logical_or, spikes) if spikes else None
+
+    def _window_test(
+        self, windows: SpikeWindows, grad_norm: jax.Array, loss: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Whether the step's values are finite, and whether one is above its full window."""
+        assert self.sigmas is not None  # windows are kept only with sigmas
+        finite = jnp.isfinite(grad_norm)
+        above = _above(grad_norm, windows.grad_norm, self.sigmas)
+        if loss is not None:
+            finite &= jnp.isfinite(loss)
+            above |= _above(loss, windows.loss, self.sigmas)
+        return finite, above
 
     def record(
         self,
@@ -107,12 +136,17 @@ class SpikeRule:
         loss: jax.Array | None,
         applied: jax.Array,
     ) -> SpikeWindows | None:
-        """`windows` with this step's values written in, if it was applied."""
+        """`windows` with this step's values written in, if it was applied, and the count
+        of steps in a row above them moved on (kept by a step whose values are not finite)."""
         if windows is None:
             return None
+        finite, above = self._window_test(windows, grad_norm, loss)
+        count = windows.spikes_in_a_row
+        count = jnp.where(above, count + (count < INT32_MAX).astype(jnp.int32), 0)
         return SpikeWindows(
             grad_norm=_recorded(windows.grad_norm, grad_norm, applied),
             loss=windows.loss if loss is None else _recorded(windows.loss, loss, applied),
+            spikes_in_a_row=jnp.where(finite, count, windows.spikes_in_a_row),
         )
 
     def check_windows(self, windows: Any, where: str) -> None:
@@ -131,7 +165,7 @@ class SpikeRule:
                 f"skip_spike_sigmas is set, got {describe(windows)}"
             )
         template = jax.eval_shape(self.init)
-        for name in SpikeWindows._fields:
+        for name in _WINDOW_FIELDS:
             window = getattr(windows, name)
             values: Any = getattr(window, "values", None)
             if getattr(values, "shape", (self.window,)) != (self.window,):
@@ -147,16 +181,31 @@ class SpikeRule:
                 label=f"state.spike_windows.{name}",
                 source="init()",
             )
+        count: Any = windows.spikes_in_a_row
+        if not (
+            isinstance(count, jax.Array | np.ndarray | np.generic)
+            and count.dtype == jnp.int32
+            and count.shape == ()
+            and not getattr(count, "weak_type", False)
+        ):
+            raise TypeError(
+                f"{where}: state.spike_windows.spikes_in_a_row must be an int32 scalar array "
+                f"(not weakly typed), got {describe_array(count)}; pass the state returned by "
+                "this transformation's init()"
+            )
 
 
-def _beyond(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:
-    """Whether `value` is not finite, or above the mean of a full `window` plus `sigmas`
-    standard deviations. A value that is not finite never enters a window, where it
-    would make every later value a spike."""
+_WINDOW_FIELDS = ("grad_norm", "loss")  # the RecentValues fields of SpikeWindows
+
+
+def _above(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:
+    """Whether `value` is above the mean of a full `window` plus `sigmas` standard
+    deviations. (A value that is not finite is a spike by itself, and never enters a
+    window, where it would make every later value a spike.)"""
     mean = jnp.mean(window.values)
     std = jnp.sqrt(jnp.mean(jnp.square(window.values - mean)))
     full = window.filled >= window.values.shape[0]
-    return ~jnp.isfinite(value) | (full & (value > mean + np.float32(sigmas) * std))
+    return full & (value > mean + np.float32(sigmas) * std)
 
 
 def _recorded(window: RecentValues, value: jax.Array, applied: jax.Array) -> RecentValues:

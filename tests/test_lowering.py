@@ -462,7 +462,7 @@ EXTRA_GPT_ARGUMENTS = {
     "DynamicLossScale": 8,
     "FixedLossScale": 6,
     "skip_grad_norm_above": 8,
-    "skip_spike_sigmas": 14,
+    "skip_spike_sigmas": 15,
 }
 
 

@@ -279,6 +279,75 @@ def test_the_window_fills_with_applied_steps_only():
     assert tuple(map(int, counts)) == (4, 1, 1, 2, 0)
 
 
+def _applied(record) -> list[bool]:
+    return [applied for _, applied in record]
+
+
+def test_a_lasting_rise_of_the_norm_re_baselines_the_window_and_training_goes_on():
+    """A new data mix: the norm moves from 1.0 to 1.5 and stays. Four spikes in a row
+    (a quarter of the window) are skipped, then the window follows the new level."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.DynamicLossScale(2.0**4), skip_spike_sigmas=4.0, spike_window=16
+    )
+    opt_state, record = _norm_steps(tx, [1.0] * 16 + [1.5] * 150)
+    applied = _applied(record)[16:]
+    assert sum(applied) == 146  # was 0: every later step a spike
+    assert applied[:5] == [False, False, False, False, True]
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (int(stats.spike_skipped_steps), int(stats.consecutive_skipped_steps)) == (4, 0)
+    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.5] * 16
+    assert int(opt_state.spike_windows.spikes_in_a_row) == 0
+    # Re-baselining: the fifth step was applied though above [1.0] * 16 (it enters the
+    # window), the sixth is within [1.0] * 15 + [1.5] (mean 1.03, std 0.12) and ends it.
+    _, record = _norm_steps(tx, [1.0] * 16 + [1.5] * 6)
+    assert _applied(record)[16:] == [False, False, False, False, True, True]
+
+
+def test_after_a_window_of_zero_gradients_training_goes_on():
+    """A loss term switched on after warm-up: a window of zeros has a standard deviation
+    of 0, and every nonzero norm is above it, until it re-baselines."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.FixedLossScale(1.0), skip_spike_sigmas=4.0, spike_window=16
+    )
+    opt_state, record = _norm_steps(tx, [0.0] * 16 + [1.0] * 32)
+    applied = _applied(record)
+    assert all(applied[:16])
+    assert sum(applied[16:]) == 28  # was 0 of 32
+    assert applied[16:22] == [False, False, False, False, True, True]
+    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.0] * 16
+    assert int(jls.get_loss_scale_stats(opt_state).spike_skipped_steps) == 4
+
+
+def test_an_isolated_spike_is_still_skipped_before_and_after_a_re_baseline():
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.FixedLossScale(1.0), skip_spike_sigmas=4.0, spike_window=16
+    )
+    norms = [1.0, 1.25] * 8 + [5.0, 1.0] + [2.0, 2.5] * 12 + [10.0, 2.0]
+    opt_state, record = _norm_steps(tx, norms)
+    skipped = [index for index, applied in enumerate(_applied(record)) if not applied]
+    # 5 against [1, 1.25] * 8 (mean 1.125, std 0.125): skipped, and 1.0 ends the run of one.
+    # 2 and 2.5 are a new level: steps 18 to 21 skipped, then the window follows;
+    # against [2, 2.5] * 8 the 10 is an isolated spike again.
+    assert skipped == [16, 18, 19, 20, 21, 42]
+    assert int(jls.get_loss_scale_stats(opt_state).spike_skipped_steps) == 6
+
+
+def test_re_baselining_never_lets_a_non_finite_value_or_a_norm_above_the_bound_in():
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.FixedLossScale(1.0), skip_grad_norm_above=4.0,
+        skip_spike_sigmas=4.0, spike_window=4,
+    )  # fmt: skip
+    # After [1] * 4, 3 is a spike (one in a row: the window would follow the next one),
+    # inf leaves the count as it is, 5 is above the bound, then 3 is applied.
+    norms = [1.0] * 4 + [3.0, np.inf, 5.0, 3.0]
+    losses = [1.0] * 4 + [1.0, 1.0, 1.0, np.nan]
+    opt_state, record = _norm_steps(tx, norms, values=losses)
+    assert _applied(record)[4:] == [False, False, False, False]  # the NaN loss: a spike
+    assert int(opt_state.spike_windows.spikes_in_a_row) == 2
+    _, record = _norm_steps(tx, norms, values=[*losses[:-1], 1.0])
+    assert _applied(record)[4:] == [False, False, False, True]
+
+
 def test_a_loss_spike_given_as_value_is_skipped_and_a_nan_loss_too():
     tx = jls.loss_scaled(
         optax.sgd(1.0), jls.FixedLossScale(1.0), skip_spike_sigmas=3.0, spike_window=2
@@ -392,7 +461,8 @@ def test_without_spike_skipping_the_state_holds_no_window():
     empty = RecentValues(
         values=np.zeros(128, np.float32), filled=np.int32(0), next_index=np.int32(0)
     )
-    chex.assert_trees_all_equal(windows, SpikeWindows(grad_norm=empty, loss=empty), strict=True)
+    expected = SpikeWindows(grad_norm=empty, loss=empty, spikes_in_a_row=np.int32(0))
+    chex.assert_trees_all_equal(windows, expected, strict=True)
 
 
 def _reductions(compiled_text: str) -> int:
@@ -470,33 +540,35 @@ def test_a_run_resumed_mid_window_continues_bit_identically(tmp_path):
 
 class SpikeModel:
     """Spike skipping (docs/spikes.md) in plain Python: which steps are skipped, what the
-    windows hold."""
+    windows hold, and how many steps in a row were above them (re-baselining)."""
 
     def __init__(self, bound, sigmas, window):
         self.bound, self.sigmas = bound, sigmas
         self.norms = collections.deque(maxlen=window)
         self.losses = collections.deque(maxlen=window)
         self.counts = {"nan": 0, "inf": 0, "spike": 0}
+        self.rebaseline_after = max(1, window // 4)
+        self.in_a_row = 0
 
-    def _spike(self, history, value) -> bool:
-        if self.sigmas is None:
-            return False
-        if not math.isfinite(value):
-            return True
+    def _above(self, history, value) -> bool:
         if len(history) < history.maxlen:
             return False
         mean = np.mean(np.array(history, np.float64))
         std = np.std(np.array(history, np.float64))
-        return not value <= mean + self.sigmas * std
+        return value > mean + self.sigmas * std
 
     def step(self, kind: str, norm: float, loss: float | None) -> bool:
         if kind != "finite":
             self.counts[kind] += 1
             return False
         spike = self.bound is not None and norm > self.bound
-        spike |= self._spike(self.norms, norm)
-        if loss is not None:
-            spike |= self._spike(self.losses, loss)
+        if self.sigmas is not None:
+            tested = [(self.norms, norm)] + ([] if loss is None else [(self.losses, loss)])
+            finite = all(math.isfinite(value) for _, value in tested)
+            above = finite and any(self._above(history, value) for history, value in tested)
+            spike |= not finite or (above and self.in_a_row < self.rebaseline_after)
+            if finite:
+                self.in_a_row = self.in_a_row + 1 if above else 0
         if spike:
             self.counts["spike"] += 1
             return False
@@ -507,10 +579,14 @@ class SpikeModel:
 
 
 @hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.example(  # three spikes in a row against a window of 4: the third re-baselines it
+    bound=None, sigmas=0.5, window=4, with_loss=False,
+    steps=[("finite", 1.0, 1.0)] * 4 + [("finite", 16.0, 1.0)] * 3 + [("finite", 2.0, 1.0)],
+)  # fmt: skip
 @hypothesis.given(
     bound=st.none() | st.sampled_from([3.0, 8.0]),
     sigmas=st.none() | st.sampled_from([0.5, 1.0, 2.0]),
-    window=st.integers(2, 4),
+    window=st.integers(2, 8),
     with_loss=st.booleans(),
     steps=st.lists(
         st.tuples(
@@ -519,7 +595,7 @@ class SpikeModel:
             st.sampled_from([1.0, 2.0, 5.0, 30.0, math.nan]),
         ),
         min_size=1,
-        max_size=14,
+        max_size=20,
     ),
 )
 def test_the_wrapper_follows_the_model(bound, sigmas, window, with_loss, steps):
@@ -551,6 +627,7 @@ def test_the_wrapper_follows_the_model(bound, sigmas, window, with_loss, steps):
         if sigmas is not None:
             assert _window_in_order(opt_state.spike_windows.grad_norm) == list(model.norms)
             assert _window_in_order(opt_state.spike_windows.loss) == list(model.losses)
+            assert int(opt_state.spike_windows.spikes_in_a_row) == model.in_a_row
     # The loss scale counts spikes as finite steps: it grew every second finite step.
     kinds = [kind == "finite" for kind, _, _ in steps]
     assert float(jls.get_loss_scale(opt_state)) == ReferenceLossScale(2.0**4, 2).scales(kinds)[-1]
@@ -712,13 +789,15 @@ def test_a_donated_nnx_step_with_bfloat16_params_skips_a_spike_and_keeps_every_b
     assert float(stats.grad_norm) > 50.0
     after = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
     assert model.dense.kernel.dtype == jnp.bfloat16
-    # Params and adam's state keep every bit; the counters and nnx's call count move.
+    # Params and adam's state keep every bit; the counters (the spike windows' count of
+    # spikes in a row too) and nnx's call count move.
     flat_before = dict(jax.tree_util.tree_leaves_with_path(before))
     flat_after = dict(jax.tree_util.tree_leaves_with_path(after))
     compared = []
     for path, old in flat_before.items():
         name = jax.tree_util.keystr(path)
-        if "stats" in name or "['step']" in name or "loss_scale_state" in name:
+        moving = ("stats", "['step']", "loss_scale_state", "spikes_in_a_row")
+        if any(part in name for part in moving):
             continue
         assert old.tobytes() == flat_after[path].tobytes(), name
         compared.append(name)
@@ -833,5 +912,7 @@ def test_a_scaled_loss_given_as_value_makes_the_growth_of_the_scale_a_spike():
                 skipped.append(step)
         return skipped
 
-    assert skipped_steps(value_is_scaled=True) == [5, 6, 7]  # 16 > mean 8 + 3 * std 0
+    # 16 > mean 8 + 3 * std 0; the window of 4 then re-baselines after one spike (step 6,
+    # applied, enters it: [8, 8, 8, 16] has room for 16 at step 7).
+    assert skipped_steps(value_is_scaled=True) == [5]
     assert skipped_steps(value_is_scaled=False) == []
