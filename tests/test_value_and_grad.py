@@ -766,3 +766,88 @@ def test_equinox_mlp_steps_bit_identical_to_the_hand_written_ones():
     assert float(losses[-1]) < float(losses[0])
     assert_bits_equal(eqx.filter(model, eqx.is_array), eqx.filter(hand_model, eqx.is_array))
     assert_bits_equal(opt_state, hand_opt_state)
+
+
+# --- built once outside the step ----------------------------------------------------------------
+
+
+def one_overflow_then_a_step(make_step):
+    """Two steps of sgd(1.0) on sum(w * x) from w = [0, 0]: an overflow (skipped, the scale
+    2**15 -> 2**14), then x = [1, 1], whose true update is -1 each."""
+    fun = lambda w, x: jnp.sum(w.astype(F16) * x.astype(F16))  # noqa: E731
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    params = jnp.zeros(2, F32)
+    opt_state = tx.init(params)
+    step = make_step(fun, tx, opt_state)
+    for x in (jnp.array([jnp.inf, 1.0], F32), jnp.ones(2, F32)):
+        params, opt_state = step(params, opt_state, x)
+    return params, opt_state
+
+
+def test_the_documented_form_built_inside_the_step_reads_the_steps_scale():
+    def make_step(fun, tx, _):
+        @jax.jit
+        def step(params, opt_state, x):
+            _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    params, opt_state = one_overflow_then_a_step(make_step)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**14
+    assert_bits_equal(params, jnp.array([-1.0, -1.0], F32))
+
+
+def test_built_outside_a_jitted_step_and_called_inside_it_raises_at_the_call():
+    """The `grad_fn = jax.value_and_grad(f)` habit: the scale it holds would be compiled in as
+    2**15, and after the overflow `loss_scaled` unscales by 2**14: params [-2, -2] where
+    [-1, -1] is right. It raises instead, saying to build it inside the step."""
+
+    def make_step(fun, tx, opt_state):
+        grad_fn = jls.value_and_grad(fun, opt_state)  # once, outside the step
+
+        @jax.jit
+        def step(params, opt_state, x):
+            _, grads = grad_fn(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    message = (
+        "value_and_grad: the loss scale (32768.0) is a constant of the step being traced, not "
+        "one of its arguments: the function was built outside the jitted step (grad_fn = "
+        "value_and_grad(loss_fn, opt_state) once), so the first scale would be compiled in and "
+        "go stale after the scale changes. Build it inside the step from the step's own "
+        "opt_state: jls.value_and_grad(loss_fn, opt_state)(params, ...)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jit may add a note
+        one_overflow_then_a_step(make_step)
+
+
+def test_built_outside_with_the_scale_read_by_hand_raises_too():
+    fun = lambda w: jnp.sum(w.astype(F16))  # noqa: E731
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    grad_fn = jls.value_and_grad(fun, jls.get_loss_scale(tx.init(jnp.zeros(2))))
+    with pytest.raises(ValueError, match=r"^value_and_grad: the loss scale \(32768\.0\) is a"):
+        jax.jit(grad_fn)(jnp.zeros(2, F32))
+    # Eagerly, a scale given directly is the scale used.
+    _, grads = grad_fn(jnp.zeros(2, F32))
+    assert_bits_equal(grads, jnp.full(2, 2.0**15, F32))
+
+
+def test_built_once_from_an_nnx_optimizer_follows_its_scale_in_an_eager_loop():
+    """An nnx Optimizer is updated in place, and the scale is read at each call: the habit
+    gives the right steps here, [-1, -1] after the overflow."""
+    model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel.value = jnp.zeros((2, 1), F32)
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    fun = lambda m, x: jnp.sum(m(x.astype(F16)))  # noqa: E731
+    grad_fn = jls.value_and_grad(fun, optimizer, using=nnx.value_and_grad)  # once
+    for x in (jnp.array([[jnp.inf, 1.0]], F32), jnp.ones((1, 2), F32)):
+        _, grads = grad_fn(model, x)
+        optimizer.update(model, grads)
+    assert float(jls.get_loss_scale(optimizer)) == 2.0**14
+    assert_bits_equal(model.kernel.value, jnp.full((2, 1), -1.0, F32))
