@@ -1,5 +1,6 @@
 """`value_and_grad`: the gradients of the loss times the scale, and the loss as it is."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,11 @@ def value_and_grad(
     `has_aux`), where `value` is `fun`'s own value, bit for bit, and `grads` are the
     gradients of `value * scale`, the product taken in float32 (a float16 loss times
     2**15 would overflow): the scaled gradients that `loss_scaled(...).update` takes.
+    Exactly those whatever `value`'s dtype: for a float16 or bfloat16 loss, the backward
+    pass of `fun` starts from the largest power of two in the scale that the loss dtype
+    holds (at most 2**15 for float16), exact there, and the gradients are multiplied by
+    the rest of the scale in float32 (a scale that is not a power of two, such as
+    2**15 * 0.7, is not rounded to the loss dtype).
     The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
     a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
     array. Build it inside the train step, with the step's own `opt_state`: one trace
@@ -80,7 +86,7 @@ def value_and_grad(
                 "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
             )
 
-        def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+        def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
             value, aux = output if has_aux else (output, None)
             if not (
@@ -93,13 +99,42 @@ def value_and_grad(
                     f"{' as the first element of (value, aux)' if has_aux else ''}, got "
                     f"{describe(value)}"
                 )
-            wide = jnp.promote_types(value.dtype, jnp.float32)
-            return value.astype(wide) * scale.astype(wide), (value, aux)
+            if jnp.finfo(value.dtype).bits >= 32:
+                wide = jnp.promote_types(value.dtype, jnp.float32)
+                return value.astype(wide) * scale.astype(wide), (value, aux, None)
+            # The cotangent that enters fun's backward pass has value's dtype: the largest
+            # power of two in the scale that the dtype holds is exact there; the rest of the
+            # scale multiplies the gradients afterwards, in float32.
+            power, rest = _split(scale, value.dtype)
+            return value.astype(jnp.float32) * power, (value, aux, rest)
 
-        (_, (value, aux)), grads = transform(scaled, **options)(*args, **kwargs)
+        (_, (value, aux, rest)), grads = transform(scaled, **options)(*args, **kwargs)
+        if rest is not None:
+            grads = jax.tree.map(functools.partial(_times, rest), grads)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_scaled_grad
+
+
+def _split(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """`scale` as `power * rest`: `power` the largest power of two <= `scale` that `dtype`
+    holds as a normal number, `rest` (>= 1 unless the scale is below dtype's normals) the
+    quotient, exact in float32."""
+    finfo = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(scale)  # scale = m * 2**exponent with m in [0.5, 1)
+    exponent = jnp.clip(exponent - 1, finfo.minexp, finfo.maxexp - 1)
+    power = jnp.ldexp(jnp.float32(1.0), exponent)
+    return power, scale / power
+
+
+def _times(rest: jax.Array, leaf: Any) -> Any:
+    """A floating gradient leaf times `rest`, computed in float32 (or wider), in its dtype."""
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        leaf.dtype, jnp.floating
+    ):
+        wide = jnp.promote_types(leaf.dtype, jnp.float32)
+        return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
+    return leaf
 
 
 def _staged() -> bool:

@@ -77,11 +77,16 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
     opt_state = tx.init(params)
     fun = loss_in(dtype)
 
+    # A float32 loss's backward pass starts from the scale; a half one's from the largest power
+    # of two in it (3.0 = 2 * 1.5), and the gradients are times the rest in float32.
+    power = scale if dtype == F32 else {3.0: 2.0}.get(scale, scale)
+
     def both(params, opt_state, x, y):
         value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
         own = fun(params, x, y)
         s = jls.get_loss_scale(opt_state)
-        expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * s)(params)
+        expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * power)(params)
+        expected = jax.tree.map(lambda g: g * (s / power), expected)
         return value, own, grads, expected
 
     value, own, grads, expected = jit_or_eager(both, params, opt_state, x, y)
@@ -89,6 +94,59 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
     assert np.asarray(value).tobytes() == np.asarray(own).tobytes()
     assert_bits_equal(grads, expected)
     assert_bits_equal(grads, jax.tree.map(lambda g: g.astype(F32), grads))  # float32 params
+
+
+def half_loss_steps(dtype, loss_scale, x=None):
+    """sgd(1.0) on sum(w * x) in `dtype` (true gradients x): an overflow, then a step.
+    Returns x, the scale of that step, its scaled gradients and its updates."""
+    x = jnp.array([1.0, 0.5, 3.0, -2.0, 0.375], F32) if x is None else x
+    fun = lambda w, x: jnp.sum(w.astype(dtype) * x.astype(dtype))  # noqa: E731
+    tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
+    params = jnp.zeros(5, F32)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, grads, updates
+
+    params, opt_state, _, _ = step(params, opt_state, x.at[0].set(jnp.inf))
+    scale = jls.get_loss_scale(opt_state)
+    params, opt_state, grads, updates = step(params, opt_state, x)
+    return x, scale, grads, updates
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, F16], ids=["bf16", "f16"])
+def test_a_half_loss_and_a_scale_not_a_power_of_two_give_the_true_updates(dtype):
+    """backoff_factor=0.7: after the overflow the scale is 22937.6. The backward pass started
+    from the scale rounded to bfloat16 (22912) while loss_scaled unscaled by 22937.6: every
+    update was 0.99888 of the true one. Now the gradients are those of loss * 22937.6."""
+    loss_scale = jls.DynamicLossScale(2.0**15, backoff_factor=0.7)
+    x, scale, grads, updates = half_loss_steps(dtype, loss_scale)
+    assert float(scale) == float(np.float32(2.0**15 * 0.7)) == 22937.599609375
+    assert float(jnp.bfloat16(scale)) == 22912.0  # where the backward pass started before
+    assert_bits_equal(grads, x * scale)  # the float32 product, exactly
+    chex.assert_trees_all_close(updates, -x, rtol=2e-7)  # was -x * 0.99888
+
+
+@pytest.mark.parametrize("scale", [2.0**16, 3 * 2.0**15, 2.0**20 * 0.7])
+def test_a_float16_loss_and_a_scale_beyond_float16_give_finite_gradients(scale):
+    """A float16 loss with a scale of 2**16 or more: the backward pass started from the scale
+    in float16, inf, and every gradient was inf. It starts from 2**15 now, times the rest."""
+    assert jnp.isinf(jnp.float16(scale))
+    x = jnp.array([1.0, 0.5, 1.5, -1.25, 0.375], F32)  # times 2**15, within float16
+    fun = lambda w: jnp.sum(w.astype(F16) * x.astype(F16))  # noqa: E731
+    value, grads = jls.value_and_grad(fun, jnp.float32(scale))(jnp.ones(5, F32))
+    assert value.dtype == F16
+    assert float(value) == 2.125
+    assert_bits_equal(grads, x * jnp.float32(scale))
+    # and through loss_scaled, with a scale held at it: the true updates
+    held = jls.DynamicLossScale(scale, min_loss_scale=scale, max_loss_scale=scale)
+    x, held_scale, grads, updates = half_loss_steps(F16, held, x)
+    assert float(held_scale) == float(np.float32(scale))
+    assert_bits_equal(grads, x * jnp.float32(scale))
+    chex.assert_trees_all_close(updates, -x, rtol=2e-7)
 
 
 def test_value_of_a_float16_loss_stays_float16_and_is_not_rounded_through_the_scale():
