@@ -1,5 +1,6 @@
 """`value_and_grad`: the gradients of the loss times the scale, and the loss as it is."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,10 +26,18 @@ def value_and_grad(
     `has_aux`), where `value` is `fun`'s own value, bit for bit, and `grads` are the
     gradients of `value * scale`, the product taken in float32 (a float16 loss times
     2**15 would overflow): the scaled gradients that `loss_scaled(...).update` takes.
+    Exactly those whatever `value`'s dtype: for a float16 or bfloat16 loss, the backward
+    pass of `fun` starts from the largest power of two in the scale that the loss dtype
+    holds (at most 2**15 for float16), exact there, and the gradients are multiplied by
+    the rest of the scale in float32 (a scale that is not a power of two, such as
+    2**15 * 0.7, is not rounded to the loss dtype).
     The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
     a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
-    array. Call it inside the train step, with the step's own `opt_state`: one trace
-    serves every step, whatever the scale.
+    array. Build it inside the train step, with the step's own `opt_state`: one trace
+    serves every step, whatever the scale. The scale is read when the function is
+    called, so one built once from an nnx `Optimizer` (updated in place) follows its
+    scale in an eager loop; one built outside a jitted step and called inside it
+    would compile the first scale in as a constant, and raises instead.
 
     Args:
       fun: the loss function; its value (or the first element of its output, with
@@ -57,47 +66,102 @@ def value_and_grad(
             f"value_and_grad(using={describe(using)}): using must be a value-and-grad "
             "transformation such as jax.value_and_grad or eqx.filter_value_and_grad"
         )
-    scale = _scale(opt_state)
+    given = _scale(opt_state) is opt_state  # the scale itself, not read from a state
     transform = jax.value_and_grad if using is None else using
     # eqx.filter_value_and_grad takes no argnums: it differentiates the first argument.
     options: dict[str, Any] = {"has_aux": True}
     if argnums != 0:
         options["argnums"] = argnums
 
-    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-        output = fun(*args, **kwargs)
-        value, aux = output if has_aux else (output, None)
-        if not (
-            isinstance(value, jax.Array | np.ndarray | np.generic)
-            and value.shape == ()
-            and jnp.issubdtype(value.dtype, jnp.floating)
-        ):
-            raise TypeError(
-                "value_and_grad: fun must return a real floating scalar"
-                f"{' as the first element of (value, aux)' if has_aux else ''}, got "
-                f"{describe(value)}"
-            )
-        wide = jnp.promote_types(value.dtype, jnp.float32)
-        return value.astype(wide) * scale.astype(wide), (value, aux)
-
     def value_and_scaled_grad(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        (_, (value, aux)), grads = transform(scaled, **options)(*args, **kwargs)
+        # Read now: an nnx Optimizer updated in place since the function was built has a new one.
+        scale = jnp.asarray(opt_state) if given else _scale(opt_state)
+        if not isinstance(scale, jax.core.Tracer) and _staged():
+            raise ValueError(
+                f"value_and_grad: the loss scale ({float(scale)!r}) is a constant of the step "
+                "being traced, not one of its arguments: the function was built outside the "
+                "jitted step (grad_fn = value_and_grad(loss_fn, opt_state) once), so the first "
+                "scale would be compiled in and go stale after the scale changes. Build it "
+                "inside the step from the step's own opt_state: "
+                "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
+            )
+
+        def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+            output = fun(*args, **kwargs)
+            value, aux = output if has_aux else (output, None)
+            if not (
+                isinstance(value, jax.Array | np.ndarray | np.generic)
+                and value.shape == ()
+                and jnp.issubdtype(value.dtype, jnp.floating)
+            ):
+                raise TypeError(
+                    "value_and_grad: fun must return a real floating scalar"
+                    f"{' as the first element of (value, aux)' if has_aux else ''}, got "
+                    f"{describe(value)}"
+                )
+            if jnp.finfo(value.dtype).bits >= 32:
+                wide = jnp.promote_types(value.dtype, jnp.float32)
+                return value.astype(wide) * scale.astype(wide), (value, aux, None)
+            # The cotangent that enters fun's backward pass has value's dtype: the largest
+            # power of two in the scale that the dtype holds is exact there; the rest of the
+            # scale multiplies the gradients afterwards, in float32.
+            power, rest = _split(scale, value.dtype)
+            return value.astype(jnp.float32) * power, (value, aux, rest)
+
+        (_, (value, aux, rest)), grads = transform(scaled, **options)(*args, **kwargs)
+        if rest is not None:
+            grads = jax.tree.map(functools.partial(_times, rest), grads)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_scaled_grad
 
 
-def _scale(opt_state: Any) -> jax.Array:
+def _split(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """`scale` as `power * rest`: `power` the largest power of two <= `scale` that `dtype`
+    holds as a normal number, `rest` (>= 1 unless the scale is below dtype's normals) the
+    quotient, exact in float32."""
+    finfo = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(scale)  # scale = m * 2**exponent with m in [0.5, 1)
+    exponent = jnp.clip(exponent - 1, finfo.minexp, finfo.maxexp - 1)
+    power = jnp.ldexp(jnp.float32(1.0), exponent)
+    return power, scale / power
+
+
+def _times(rest: jax.Array, leaf: Any) -> Any:
+    """A floating gradient leaf times `rest`, computed in float32 (or wider), in its dtype."""
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        leaf.dtype, jnp.floating
+    ):
+        wide = jnp.promote_types(leaf.dtype, jnp.float32)
+        return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
+    return leaf
+
+
+def _staged() -> bool:
+    """Whether a jitted (or pmapped, scanned...) function is being traced here: there,
+    new arrays are tracers. The probe's op is unused, and dropped from the graph."""
+    return isinstance(jnp.zeros((), jnp.bool_), jax.core.Tracer)
+
+
+def _scale(opt_state: Any) -> Any:
+    """The scale: `opt_state` itself when it is one, else the one read from it."""
     if is_scalar_array(opt_state, np.float32):
-        return jnp.asarray(opt_state)
+        return opt_state
     if isinstance(opt_state, jax.Array | np.ndarray | np.generic):
         raise TypeError(
             f"value_and_grad(opt_state={describe(opt_state)}): a scale given directly must be "
             "a float32 scalar array"
         )
     try:
-        return get_loss_scale(opt_state)
+        scale = get_loss_scale(opt_state)
     except LookupError as error:
         raise LookupError(
             f"value_and_grad: {error}; or pass the scale itself, a float32 scalar array"
         ) from None
+    if jnp.shape(scale) != ():
+        raise ValueError(
+            f"value_and_grad: the loss scale in opt_state has shape {jnp.shape(scale)}, not (): "
+            "a state replicated by pmap or stacked by vmap; call value_and_grad inside the "
+            "pmapped (or vmapped) step, with the step's own opt_state, where the scale is a scalar"
+        )
+    return scale

@@ -77,11 +77,16 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
     opt_state = tx.init(params)
     fun = loss_in(dtype)
 
+    # A float32 loss's backward pass starts from the scale; a half one's from the largest power
+    # of two in it (3.0 = 2 * 1.5), and the gradients are times the rest in float32.
+    power = scale if dtype == F32 else {3.0: 2.0}.get(scale, scale)
+
     def both(params, opt_state, x, y):
         value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
         own = fun(params, x, y)
         s = jls.get_loss_scale(opt_state)
-        expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * s)(params)
+        expected = jax.grad(lambda p: fun(p, x, y).astype(F32) * power)(params)
+        expected = jax.tree.map(lambda g: g * (s / power), expected)
         return value, own, grads, expected
 
     value, own, grads, expected = jit_or_eager(both, params, opt_state, x, y)
@@ -89,6 +94,59 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
     assert np.asarray(value).tobytes() == np.asarray(own).tobytes()
     assert_bits_equal(grads, expected)
     assert_bits_equal(grads, jax.tree.map(lambda g: g.astype(F32), grads))  # float32 params
+
+
+def half_loss_steps(dtype, loss_scale, x=None):
+    """sgd(1.0) on sum(w * x) in `dtype` (true gradients x): an overflow, then a step.
+    Returns x, the scale of that step, its scaled gradients and its updates."""
+    x = jnp.array([1.0, 0.5, 3.0, -2.0, 0.375], F32) if x is None else x
+    fun = lambda w, x: jnp.sum(w.astype(dtype) * x.astype(dtype))  # noqa: E731
+    tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
+    params = jnp.zeros(5, F32)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, grads, updates
+
+    params, opt_state, _, _ = step(params, opt_state, x.at[0].set(jnp.inf))
+    scale = jls.get_loss_scale(opt_state)
+    params, opt_state, grads, updates = step(params, opt_state, x)
+    return x, scale, grads, updates
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, F16], ids=["bf16", "f16"])
+def test_a_half_loss_and_a_scale_not_a_power_of_two_give_the_true_updates(dtype):
+    """backoff_factor=0.7: after the overflow the scale is 22937.6. The backward pass started
+    from the scale rounded to bfloat16 (22912) while loss_scaled unscaled by 22937.6: every
+    update was 0.99888 of the true one. Now the gradients are those of loss * 22937.6."""
+    loss_scale = jls.DynamicLossScale(2.0**15, backoff_factor=0.7)
+    x, scale, grads, updates = half_loss_steps(dtype, loss_scale)
+    assert float(scale) == float(np.float32(2.0**15 * 0.7)) == 22937.599609375
+    assert float(jnp.bfloat16(scale)) == 22912.0  # where the backward pass started before
+    assert_bits_equal(grads, x * scale)  # the float32 product, exactly
+    chex.assert_trees_all_close(updates, -x, rtol=2e-7)  # was -x * 0.99888
+
+
+@pytest.mark.parametrize("scale", [2.0**16, 3 * 2.0**15, 2.0**20 * 0.7])
+def test_a_float16_loss_and_a_scale_beyond_float16_give_finite_gradients(scale):
+    """A float16 loss with a scale of 2**16 or more: the backward pass started from the scale
+    in float16, inf, and every gradient was inf. It starts from 2**15 now, times the rest."""
+    assert jnp.isinf(jnp.float16(scale))
+    x = jnp.array([1.0, 0.5, 1.5, -1.25, 0.375], F32)  # times 2**15, within float16
+    fun = lambda w: jnp.sum(w.astype(F16) * x.astype(F16))  # noqa: E731
+    value, grads = jls.value_and_grad(fun, jnp.float32(scale))(jnp.ones(5, F32))
+    assert value.dtype == F16
+    assert float(value) == 2.125
+    assert_bits_equal(grads, x * jnp.float32(scale))
+    # and through loss_scaled, with a scale held at it: the true updates
+    held = jls.DynamicLossScale(scale, min_loss_scale=scale, max_loss_scale=scale)
+    x, held_scale, grads, updates = half_loss_steps(F16, held, x)
+    assert float(held_scale) == float(np.float32(scale))
+    assert_bits_equal(grads, x * jnp.float32(scale))
+    chex.assert_trees_all_close(updates, -x, rtol=2e-7)
 
 
 def test_value_of_a_float16_loss_stays_float16_and_is_not_rounded_through_the_scale():
@@ -766,3 +824,88 @@ def test_equinox_mlp_steps_bit_identical_to_the_hand_written_ones():
     assert float(losses[-1]) < float(losses[0])
     assert_bits_equal(eqx.filter(model, eqx.is_array), eqx.filter(hand_model, eqx.is_array))
     assert_bits_equal(opt_state, hand_opt_state)
+
+
+# --- built once outside the step ----------------------------------------------------------------
+
+
+def one_overflow_then_a_step(make_step):
+    """Two steps of sgd(1.0) on sum(w * x) from w = [0, 0]: an overflow (skipped, the scale
+    2**15 -> 2**14), then x = [1, 1], whose true update is -1 each."""
+    fun = lambda w, x: jnp.sum(w.astype(F16) * x.astype(F16))  # noqa: E731
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    params = jnp.zeros(2, F32)
+    opt_state = tx.init(params)
+    step = make_step(fun, tx, opt_state)
+    for x in (jnp.array([jnp.inf, 1.0], F32), jnp.ones(2, F32)):
+        params, opt_state = step(params, opt_state, x)
+    return params, opt_state
+
+
+def test_the_documented_form_built_inside_the_step_reads_the_steps_scale():
+    def make_step(fun, tx, _):
+        @jax.jit
+        def step(params, opt_state, x):
+            _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    params, opt_state = one_overflow_then_a_step(make_step)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**14
+    assert_bits_equal(params, jnp.array([-1.0, -1.0], F32))
+
+
+def test_built_outside_a_jitted_step_and_called_inside_it_raises_at_the_call():
+    """The `grad_fn = jax.value_and_grad(f)` habit: the scale it holds would be compiled in as
+    2**15, and after the overflow `loss_scaled` unscales by 2**14: params [-2, -2] where
+    [-1, -1] is right. It raises instead, saying to build it inside the step."""
+
+    def make_step(fun, tx, opt_state):
+        grad_fn = jls.value_and_grad(fun, opt_state)  # once, outside the step
+
+        @jax.jit
+        def step(params, opt_state, x):
+            _, grads = grad_fn(params, x)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    message = (
+        "value_and_grad: the loss scale (32768.0) is a constant of the step being traced, not "
+        "one of its arguments: the function was built outside the jitted step (grad_fn = "
+        "value_and_grad(loss_fn, opt_state) once), so the first scale would be compiled in and "
+        "go stale after the scale changes. Build it inside the step from the step's own "
+        "opt_state: jls.value_and_grad(loss_fn, opt_state)(params, ...)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jit may add a note
+        one_overflow_then_a_step(make_step)
+
+
+def test_built_outside_with_the_scale_read_by_hand_raises_too():
+    fun = lambda w: jnp.sum(w.astype(F16))  # noqa: E731
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    grad_fn = jls.value_and_grad(fun, jls.get_loss_scale(tx.init(jnp.zeros(2))))
+    with pytest.raises(ValueError, match=r"^value_and_grad: the loss scale \(32768\.0\) is a"):
+        jax.jit(grad_fn)(jnp.zeros(2, F32))
+    # Eagerly, a scale given directly is the scale used.
+    _, grads = grad_fn(jnp.zeros(2, F32))
+    assert_bits_equal(grads, jnp.full(2, 2.0**15, F32))
+
+
+def test_built_once_from_an_nnx_optimizer_follows_its_scale_in_an_eager_loop():
+    """An nnx Optimizer is updated in place, and the scale is read at each call: the habit
+    gives the right steps here, [-1, -1] after the overflow."""
+    model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel.value = jnp.zeros((2, 1), F32)
+    tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    fun = lambda m, x: jnp.sum(m(x.astype(F16)))  # noqa: E731
+    grad_fn = jls.value_and_grad(fun, optimizer, using=nnx.value_and_grad)  # once
+    for x in (jnp.array([[jnp.inf, 1.0]], F32), jnp.ones((1, 2), F32)):
+        _, grads = grad_fn(model, x)
+        optimizer.update(model, grads)
+    assert float(jls.get_loss_scale(optimizer)) == 2.0**14
+    assert_bits_equal(model.kernel.value, jnp.full((2, 1), -1.0, F32))
