@@ -3,7 +3,9 @@
 Hyperparameters are checked once, when a loss scale or a wrapper is constructed. Each
 check returns the value as a plain Python `float`, `int` or `bool`, so that loss-scale
 objects compare, hash and serialize the same however a number was written (`2**15`,
-`32768.0`, `np.float32(32768)`). Real numbers are rounded to float32, the precision the
+`32768.0`, `np.float32(32768)`, `jnp.asarray(2.0**15)`): a concrete scalar array, NumPy's or
+JAX's, counts as the number it holds, while a traced one is refused, since hyperparameters are
+static and fixed when the object is built. Real numbers are rounded to float32, the precision the
 state computes in, so that the checks and the config see the very values the update rule
 uses. Trees, axis names and states are checked where they are used, on shapes and dtypes
 only, so that the checks pass for tracers.
@@ -12,6 +14,7 @@ only, so that the checks pass for tracers.
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import jax
@@ -65,12 +68,56 @@ def fail(
 # --- hyperparameters ----------------------------------------------------------------------
 
 
+def held_number(
+    owner: str, name: str, value: Any, requirement: str, kind: Callable[[Any], bool]
+) -> Any:
+    """The Python number that a concrete scalar array (NumPy or JAX) holds, when `kind` accepts
+    its dtype; any other value as it is, for the caller's own checks.
+
+    An array of another shape or dtype is refused naming `requirement`; a traced array (the
+    object built inside `jit`, `grad` or `vmap` from a traced value) with a message saying
+    that hyperparameters are static Python numbers.
+    """
+    if isinstance(value, jax.core.Tracer):
+        fail(
+            owner,
+            name,
+            value,
+            "a static Python number (or a concrete NumPy or JAX scalar), not a value traced by "
+            "jit, grad or vmap: hyperparameters are fixed when the object is built, so build "
+            "it outside the traced function",
+            TypeError,
+        )
+    if not isinstance(value, jax.Array | np.ndarray):
+        return value
+    if value.shape != () or not kind(value.dtype):
+        fail(owner, name, value, f"{requirement}, got {describe_array(value)}", TypeError)
+    if jnp.issubdtype(value.dtype, jnp.bool_):
+        return bool(value)
+    if jnp.issubdtype(value.dtype, jnp.integer):
+        return int(value)
+    return float(value)
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+
+
+def _is_integer_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.integer))
+
+
+def _is_bool_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.bool_))
+
+
 def real(owner: str, name: str, value: Any) -> float:
     """A finite real number that float32 can hold, rounded to float32."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    held = held_number(owner, name, value, "a real number", _is_real_dtype)
+    if isinstance(held, bool) or not isinstance(held, numbers.Real):
         fail(owner, name, value, "a real number", TypeError)
     try:
-        number = float(value)
+        number = float(held)
     except OverflowError:  # an int or Fraction beyond every float
         fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
     if not math.isfinite(number):
@@ -102,18 +149,20 @@ def optional_positive_real(owner: str, name: str, value: Any) -> float | None:
 
 def integer(owner: str, name: str, value: Any, minimum: int = 1) -> int:
     """An integer in [minimum, 2**31 - 1], the range of the int32 counters in a state."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    held = held_number(owner, name, value, f"an integer >= {minimum}", _is_integer_dtype)
+    if isinstance(held, bool) or not isinstance(held, numbers.Integral):
         fail(owner, name, value, f"an integer >= {minimum}", TypeError)
-    number = int(value)
+    number = int(held)
     if not minimum <= number <= INT32_MAX:
         fail(owner, name, value, f"an integer >= {minimum} and <= {INT32_MAX}")
     return number
 
 
 def boolean(owner: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
+    held = held_number(owner, name, value, "a bool", _is_bool_dtype)
+    if not isinstance(held, bool | np.bool_):
         fail(owner, name, value, "a bool", TypeError)
-    return bool(value)
+    return bool(held)
 
 
 # --- trees and axis names -----------------------------------------------------------------

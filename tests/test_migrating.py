@@ -14,6 +14,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import jmp
+import mpx
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -258,6 +259,65 @@ def test_jmps_select_tree_over_model_state_is_where_applied():
             assert not np.isfinite(new_state["mean"])
             assert_bits_equal(state, before)
     assert int(state["count"]) == 2
+
+
+def test_jmps_docstring_scale_written_as_an_array_maps_as_it_is():
+    """jmp's docstring builds its scale as `jnp.asarray(2.**15)`; the mapped loss scale takes
+    the array as the number it holds and runs as jmp's, step for step."""
+    loss_scale = jnp.asarray(2.0**15)
+    theirs, _ = jmp_run(optax.adam(0.1), jmp.DynamicLossScale(loss_scale, period=2), True)
+    ours = jls_run(
+        optax.adam(0.1), jls.DynamicLossScale(initial_loss_scale=loss_scale, increment_period=2)
+    )
+    assert [scale for _, scale, _ in ours] == EXPECTED_SCALES["DynamicLossScale"]
+    assert_runs_agree(ours, theirs)
+
+
+# --- mpx's DynamicLossScaling -----------------------------------------------------------------
+
+
+def test_mpxs_readme_set_up_maps_to_a_scale_that_moves_and_skips_as_mpxs():
+    """mpx's README builds its scale as `DynamicLossScaling(loss_scaling=mpx.FLOAT16_MAX,
+    min_loss_scaling=jnp.ones(()), ...)`. The row of docs/migrating.md takes those arrays as
+    they are and caps the scale at 65504, where mpx clips it: the scale after every step and
+    the skipped steps are mpx's (65504, 32752, 16376, ...)."""
+    loss_scaling, min_loss_scaling, factor, period = mpx.FLOAT16_MAX, jnp.ones(()), 2, 2
+    mapped = jls.DynamicLossScale(
+        initial_loss_scale=loss_scaling,
+        increment_period=period,
+        multiplier=factor,
+        min_loss_scale=min_loss_scaling,
+        max_loss_scale=max(loss_scaling, 2.0**15),
+    )
+    assert mapped == jls.DynamicLossScale(65504.0, 2, 2.0, max_loss_scale=65504.0)
+    ours = jls_run(optax.adam(0.1), mapped)
+    scales = [65504.0, 65504.0, 32752.0, 32752.0, 16376.0, 16376.0, 32752.0, 32752.0]
+    assert [scale for _, scale, _ in ours] == scales
+    assert [skipped for *_, skipped in ours] == [False, False, True, False, True] + [False] * 3
+
+    scaling = mpx.DynamicLossScaling(loss_scaling, min_loss_scaling, factor=factor, period=period)
+    theirs = []
+    for x in BATCHES:
+        finite = mpx.all_finite(jax.grad(loss)(PARAMS, x))
+        scaling = scaling.adjust(finite)
+        theirs.append((float(scaling.loss_scaling), not bool(finite)))
+    assert theirs == [(scale, skipped) for _, scale, skipped in ours]
+
+
+def test_mpxs_scale_from_a_power_of_two_maps_to_one_capped_at_two_to_the_15():
+    """From `loss_scaling=2.0**15` the row caps the scale at 2**15, so that it stays a power of
+    two: mpx clips a grown 2**16 to 65504 instead."""
+    loss_scaling = jnp.asarray(2.0**15)
+    mapped = jls.DynamicLossScale(
+        initial_loss_scale=loss_scaling,
+        increment_period=2,
+        min_loss_scale=jnp.ones(()),
+        max_loss_scale=max(loss_scaling, 2.0**15),
+    )
+    ours = jls_run(optax.adam(0.1), mapped)
+    assert [scale for _, scale, _ in ours] == [2.0**15] * 2 + [2.0**14] * 2 + [2.0**13] * 2 + [
+        2.0**14
+    ] * 2
 
 
 # --- flax's DynamicScale ----------------------------------------------------------------------
