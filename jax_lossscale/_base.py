@@ -2,12 +2,21 @@
 
 import abc
 import inspect
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
 
-from jax_lossscale._checks import check_array_leaves, describe, describe_array, is_scalar_array
+from jax_lossscale._checks import (
+    NOT_GIVEN,
+    check_array_leaves,
+    check_no_peer_keywords,
+    describe,
+    describe_array,
+    is_scalar_array,
+    missing_tree_error,
+    peer_attribute_error,
+)
 from jax_lossscale._numerics import divide_floating, multiply_floating
 from jax_lossscale._types import AxisName, PyTree
 
@@ -116,7 +125,7 @@ class LossScale(abc.ABC):
                 )
         return cls(**config)
 
-    def scale(self, state: PyTree, tree: PyTree) -> PyTree:
+    def scale(self, state: PyTree, tree: PyTree = NOT_GIVEN) -> PyTree:
         """Multiplies every floating leaf of `tree` (usually the loss) by the scale.
 
         Args:
@@ -128,10 +137,12 @@ class LossScale(abc.ABC):
           `tree` with each floating leaf times the scale, computed in float32 (or
           wider) and cast back to the leaf's own dtype.
         """
+        if tree is NOT_GIVEN:
+            raise missing_tree_error(type(self).__name__, "scale", "tree")
         check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
         return multiply_floating(tree, self._checked_scale(state))
 
-    def unscale(self, state: PyTree, grads: PyTree) -> PyTree:
+    def unscale(self, state: PyTree, grads: PyTree = NOT_GIVEN) -> PyTree:
         """Divides every floating leaf of `grads` by the scale.
 
         Args:
@@ -152,8 +163,22 @@ class LossScale(abc.ABC):
           >>> ls.unscale(ls.init(), {"w": jnp.array([2048.0], jnp.float16), "n": jnp.array(3)})
           {'n': Array(3, dtype=int32, weak_type=True), 'w': Array([2.], dtype=float32)}
         """
+        if grads is NOT_GIVEN:
+            raise missing_tree_error(type(self).__name__, "unscale", "grads")
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
         return divide_floating(grads, self._checked_scale(state))
+
+    if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
+
+        def __new__(cls, *args, **kwargs):
+            # Another library's keyword (jmp's `period=`) gets a message naming ours.
+            check_no_peer_keywords(cls.__name__, kwargs)
+            return super().__new__(cls)
+
+        def __getattr__(self, name):
+            # Called only for attributes not found: another library's (jmp's `.loss_scale`,
+            # `.counter`) gets a message saying where the value is here.
+            raise peer_attribute_error(self, name)
 
     def _checked_scale(self, state: PyTree) -> jax.Array:
         """The scale `__call__` returns, once checked to be a float32 scalar array."""

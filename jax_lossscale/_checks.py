@@ -3,7 +3,9 @@
 Hyperparameters are checked once, when a loss scale or a wrapper is constructed. Each
 check returns the value as a plain Python `float`, `int` or `bool`, so that loss-scale
 objects compare, hash and serialize the same however a number was written (`2**15`,
-`32768.0`, `np.float32(32768)`). Real numbers are rounded to float32, the precision the
+`32768.0`, `np.float32(32768)`, `jnp.asarray(2.0**15)`): a concrete scalar array, NumPy's or
+JAX's, counts as the number it holds, while a traced one is refused, since hyperparameters are
+static and fixed when the object is built. Real numbers are rounded to float32, the precision the
 state computes in, so that the checks and the config see the very values the update rule
 uses. Trees, axis names and states are checked where they are used, on shapes and dtypes
 only, so that the checks pass for tracers.
@@ -12,6 +14,7 @@ only, so that the checks pass for tracers.
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import jax
@@ -65,12 +68,56 @@ def fail(
 # --- hyperparameters ----------------------------------------------------------------------
 
 
+def held_number(
+    owner: str, name: str, value: Any, requirement: str, kind: Callable[[Any], bool]
+) -> Any:
+    """The Python number that a concrete scalar array (NumPy or JAX) holds, when `kind` accepts
+    its dtype; any other value as it is, for the caller's own checks.
+
+    An array of another shape or dtype is refused naming `requirement`; a traced array (the
+    object built inside `jit`, `grad` or `vmap` from a traced value) with a message saying
+    that hyperparameters are static Python numbers.
+    """
+    if isinstance(value, jax.core.Tracer):
+        fail(
+            owner,
+            name,
+            value,
+            "a static Python number (or a concrete NumPy or JAX scalar), not a value traced by "
+            "jit, grad or vmap: hyperparameters are fixed when the object is built, so build "
+            "it outside the traced function",
+            TypeError,
+        )
+    if not isinstance(value, jax.Array | np.ndarray):
+        return value
+    if value.shape != () or not kind(value.dtype):
+        fail(owner, name, value, f"{requirement}, got {describe_array(value)}", TypeError)
+    if jnp.issubdtype(value.dtype, jnp.bool_):
+        return bool(value)
+    if jnp.issubdtype(value.dtype, jnp.integer):
+        return int(value)
+    return float(value)
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+
+
+def _is_integer_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.integer))
+
+
+def _is_bool_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.bool_))
+
+
 def real(owner: str, name: str, value: Any) -> float:
     """A finite real number that float32 can hold, rounded to float32."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    held = held_number(owner, name, value, "a real number", _is_real_dtype)
+    if isinstance(held, bool) or not isinstance(held, numbers.Real):
         fail(owner, name, value, "a real number", TypeError)
     try:
-        number = float(value)
+        number = float(held)
     except OverflowError:  # an int or Fraction beyond every float
         fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
     if not math.isfinite(number):
@@ -102,18 +149,20 @@ def optional_positive_real(owner: str, name: str, value: Any) -> float | None:
 
 def integer(owner: str, name: str, value: Any, minimum: int = 1) -> int:
     """An integer in [minimum, 2**31 - 1], the range of the int32 counters in a state."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    held = held_number(owner, name, value, f"an integer >= {minimum}", _is_integer_dtype)
+    if isinstance(held, bool) or not isinstance(held, numbers.Integral):
         fail(owner, name, value, f"an integer >= {minimum}", TypeError)
-    number = int(value)
+    number = int(held)
     if not minimum <= number <= INT32_MAX:
         fail(owner, name, value, f"an integer >= {minimum} and <= {INT32_MAX}")
     return number
 
 
 def boolean(owner: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
+    held = held_number(owner, name, value, "a bool", _is_bool_dtype)
+    if not isinstance(held, bool | np.bool_):
         fail(owner, name, value, "a bool", TypeError)
-    return bool(value)
+    return bool(held)
 
 
 # --- trees and axis names -----------------------------------------------------------------
@@ -238,3 +287,103 @@ def check_loss_scale_state(loss_scale: Any, state: Any) -> None:
 @functools.lru_cache(maxsize=128)
 def _initial_state_type(loss_scale: Any) -> Any:
     return jax.eval_shape(loss_scale.init)
+
+
+# --- habits from other loss scalers -------------------------------------------------------
+
+# Keyword arguments of other libraries' loss scales, and what to write here instead.
+_PEER_KEYWORDS = {
+    "DynamicLossScale": {
+        "loss_scale": ("initial_loss_scale", "jmp's loss_scale"),
+        "period": ("increment_period", "jmp's and mpx's period"),
+        "factor": ("multiplier", "jmp's and mpx's factor"),
+        "loss_scaling": ("initial_loss_scale", "mpx's loss_scaling"),
+        "min_loss_scaling": ("min_loss_scale", "mpx's min_loss_scaling"),
+        "scale": ("initial_loss_scale", "flax's scale"),
+        "growth_interval": (
+            "increment_period",
+            "flax's growth_interval + 1 reproduces flax's, PyTorch's growth_interval",
+        ),
+        "growth_factor": ("multiplier", "flax's and PyTorch's growth_factor"),
+        "minimum_scale": ("min_loss_scale", "flax's minimum_scale"),
+        "init_scale": ("initial_loss_scale", "PyTorch's init_scale"),
+        "initial_scale": ("initial_loss_scale", "Keras's initial_scale"),
+        "dynamic_growth_steps": ("increment_period", "Keras's dynamic_growth_steps"),
+    },
+    "FixedLossScale": {
+        "loss_scale": ("loss_scale_value", "jmp's StaticLossScale(loss_scale)"),
+    },
+}
+
+_COUNTER = (
+    "the count of finite steps lives in the state, not in the loss scale: resume it by "
+    "setting the state's good_steps (docs/migrating.md, 'Resuming a jmp or flax checkpoint')"
+)
+
+
+def check_no_peer_keywords(owner: str, kwargs: dict[str, Any]) -> None:
+    """Raises `TypeError` naming the argument to write for another library's keyword
+    (jmp's `period=`, `factor=`, mpx's `loss_scaling=`, ...) given to `owner`."""
+    known = _PEER_KEYWORDS.get(owner, {})
+    for name, value in kwargs.items():
+        if name in known:
+            ours, theirs = known[name]
+            raise TypeError(
+                f"{owner}({name}={describe(value)}): {owner} takes no argument {name}; write "
+                f"{ours}={describe(value)} ({theirs})"
+            )
+        if name == "counter" and known:
+            raise TypeError(
+                f"{owner}(counter={describe(value)}): {owner} takes no counter; " + _COUNTER
+            )
+
+
+# Attributes of other libraries' loss-scale objects, and where the value is here.
+_CURRENT_SCALE = (
+    "the current scale lives in the state, not in the loss scale: read it with "
+    "jls.get_loss_scale(opt_state) under loss_scaled, or loss_scale(state); the scale it "
+    "starts from is .{initial}"
+)
+_PEER_ATTRIBUTES = {
+    "loss_scale": _CURRENT_SCALE,
+    "loss_scaling": _CURRENT_SCALE,
+    "counter": "the count of finite steps lives in the state: "
+    "jls.get_loss_scale_stats(opt_state) and opt_state.loss_scale_state.good_steps",
+    "period": "write .increment_period",
+    "factor": "write .multiplier",
+    "min_loss_scaling": "write .min_loss_scale",
+    "adjust": "loss_scaled(optimizer, loss_scale).update unscales, checks and adjusts; alone, "
+    "state, should_apply = loss_scale.update(state, grads) takes the unscaled gradients",
+}
+
+
+def peer_attribute_error(owner: Any, name: str) -> AttributeError:
+    """The `AttributeError` for `owner.name`: for another library's attribute (jmp's
+    `loss_scale.loss_scale`, `.counter`, ...) it says where the value is here."""
+    message = f"{type(owner).__name__!r} object has no attribute {name!r}"
+    if name not in _PEER_ATTRIBUTES:
+        return AttributeError(message, name=name, obj=owner)  # Python's "Did you mean"
+    initial = "loss_scale_value" if hasattr(owner, "loss_scale_value") else "initial_loss_scale"
+    message += "; " + _PEER_ATTRIBUTES[name].format(initial=initial)
+    return AttributeError(message, name=None, obj=None)  # no "Did you mean" max_loss_scale
+
+
+class _NotGiven:
+    """The default of an argument that is required, so that its absence gets a message."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+NOT_GIVEN: Any = _NotGiven()
+
+
+def missing_tree_error(owner: str, method: str, what: str) -> TypeError:
+    """The `TypeError` for jmp's `loss_scale.scale(loss)`: the state argument is missing."""
+    return TypeError(
+        f"{owner}.{method}(state, {what}) takes the loss scale's state first, the current one: "
+        "opt_state.loss_scale_state under loss_scaled, since tx.update unscales by the current "
+        "scale (loss_scale.init() holds the initial one). jmp's loss_scale.scale(loss) is "
+        "loss * jls.get_loss_scale(opt_state), or jls.value_and_grad(loss_fn, opt_state); its "
+        "loss_scale.unscale(grads) happens inside tx.update"
+    )

@@ -119,7 +119,15 @@ def add_hyperparameter(cls, kwargs, name, error, requirement):
     )
 
 
-_REAL_BAD_TYPES = ["2", [2.0], True, 2 + 0j, jnp.float32(2.0)]
+_REAL_BAD_TYPES = ["2", [2.0], True, 2 + 0j]
+# A concrete scalar array of a real dtype counts as its number; other arrays are refused
+# naming what they are.
+_REAL_BAD_ARRAYS = [
+    (jnp.ones(1), "ArrayImpl of dtype float32 and shape (1,)"),
+    (np.array([2.0, 4.0]), "ndarray of dtype float64 and shape (2,)"),
+    (jnp.asarray(2 + 0j, jnp.complex64), "ArrayImpl of dtype complex64 and shape ()"),
+    (jnp.bool_(True), "ArrayImpl of dtype bool and shape ()"),
+]
 _REAL_PARAMS = {
     # name: (whether None is allowed, the class, value errors specific to the argument)
     "initial_loss_scale": (
@@ -174,6 +182,10 @@ for _name, (_optional, _cls, _specific) in _REAL_PARAMS.items():
     _base = {"loss_scale_value": 4.0} if _cls is jls.FixedLossScale else {}
     for _value in _REAL_BAD_TYPES + ([] if _optional else [None]):
         add_hyperparameter(_cls, {**_base, _name: _value}, _name, TypeError, "a real number")
+    for _value, _what in _REAL_BAD_ARRAYS:
+        add_hyperparameter(
+            _cls, {**_base, _name: _value}, _name, TypeError, f"a real number, got {_what}"
+        )
     for _value in [NAN, INF, -INF]:
         add_hyperparameter(_cls, {**_base, _name: _value}, _name, ValueError, "finite")
     add_hyperparameter(_cls, {**_base, _name: 1e39}, _name, ValueError, F32_MAX_TEXT)
@@ -262,10 +274,28 @@ for _name in ["increment_period", "hysteresis"]:
         add_hyperparameter(
             jls.DynamicLossScale, {_name: _value}, _name, TypeError, "an integer >= 1"
         )
-    for _value in [0, -1, 2**31, np.int32(-1)]:
+    for _value in [0, -1, 2**31, np.int32(-1), jnp.asarray(0), np.array(2**31)]:
         add_hyperparameter(jls.DynamicLossScale, {_name: _value}, _name, ValueError, INT_RANGE_TEXT)
+    for _value, _what in [
+        (jnp.float32(2.0), "ArrayImpl of dtype float32 and shape ()"),
+        (np.ones(2, np.int32), "ndarray of dtype int32 and shape (2,)"),
+    ]:
+        add_hyperparameter(
+            jls.DynamicLossScale, {_name: _value}, _name, TypeError, f"an integer >= 1, got {_what}"
+        )
 
-for _value in [1, 0, "yes", None, jnp.bool_(True)]:
+for _value, _what in [
+    (jnp.int32(1), "ArrayImpl of dtype int32 and shape ()"),
+    (np.array([True]), "ndarray of dtype bool and shape (1,)"),
+]:
+    add_hyperparameter(
+        jls.DynamicLossScale,
+        {"consecutive_hysteresis": _value},
+        "consecutive_hysteresis",
+        TypeError,
+        f"a bool, got {_what}",
+    )
+for _value in [1, 0, "yes", None]:
     add_hyperparameter(
         jls.DynamicLossScale,
         {"consecutive_hysteresis": _value},

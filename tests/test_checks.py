@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_lossscale as jls
@@ -353,6 +354,85 @@ def test_good_edge_values_are_accepted_and_init_holds_them(kwargs):
         # Real hyperparameters are stored as the float32 values the update rule uses.
         expected = float(np.float32(value)) if isinstance(value, float) else value
         assert getattr(ls, name) == expected
+
+
+FLOAT16_MAX_ARRAY = jnp.ones([], jnp.float32) * (2 - 2**-10) * 2**15  # as mpx writes it
+
+
+def test_concrete_scalar_arrays_are_accepted_as_the_numbers_they_hold():
+    """jmp's docstring writes the scale as `jnp.asarray(2.**15)`, mpx's README as
+    `mpx.FLOAT16_MAX` and `jnp.ones(())`: each is the Python number it holds."""
+    ls = jls.DynamicLossScale(
+        initial_loss_scale=jnp.asarray(2.0**15),
+        increment_period=jnp.asarray(5),
+        multiplier=np.asarray(4.0),
+        backoff_factor=jnp.asarray(0.25, jnp.bfloat16),
+        min_loss_scale=jnp.ones(()),
+        max_loss_scale=FLOAT16_MAX_ARRAY,
+        hysteresis=np.array(3, np.int8),
+        consecutive_hysteresis=jnp.bool_(True),
+    )
+    _assert_field(ls, "initial_loss_scale", 32768.0, float)
+    _assert_field(ls, "increment_period", 5, int)
+    _assert_field(ls, "multiplier", 4.0, float)
+    _assert_field(ls, "backoff_factor", 0.25, float)
+    _assert_field(ls, "min_loss_scale", 1.0, float)
+    _assert_field(ls, "max_loss_scale", 65504.0, float)
+    _assert_field(ls, "hysteresis", 3, int)
+    _assert_field(ls, "consecutive_hysteresis", True, bool)
+    same = jls.DynamicLossScale(
+        2.0**15,
+        5,
+        4.0,
+        backoff_factor=0.25,
+        max_loss_scale=65504.0,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+    )
+    assert ls == same
+    assert hash(ls) == hash(same)
+    assert jls.deserialize(jls.serialize(ls)) == same
+    _assert_field(jls.FixedLossScale(jnp.asarray(2.0**15)), "loss_scale_value", 32768.0, float)
+    _assert_field(jls.FixedLossScale(np.array(8)), "loss_scale_value", 8.0, float)
+    rule = jls.loss_scaled(
+        optax.sgd(1.0),
+        jls.FixedLossScale(1.0),
+        skip_grad_norm_above=jnp.asarray(10.0),
+        skip_spike_sigmas=jnp.asarray(4.0),
+        spike_window=jnp.asarray(16),
+    )
+    assert isinstance(rule, optax.GradientTransformationExtraArgs)
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
+def test_traced_hyperparameter_is_refused_saying_hyperparameters_are_static(transform):
+    def build(scale):
+        return jls.DynamicLossScale(initial_loss_scale=scale).init().loss_scale
+
+    run = {"jit": jax.jit(build), "vmap": jax.vmap(build), "grad": jax.grad(build)}[transform]
+    with pytest.raises(TypeError) as excinfo:
+        run(jnp.ones(2) if transform == "vmap" else jnp.float32(1024.0))
+    message = str(excinfo.value)
+    assert re.fullmatch(
+        r"DynamicLossScale\(initial_loss_scale=.*Tracer.*\): initial_loss_scale must be a "
+        r"static Python number \(or a concrete NumPy or JAX scalar\), not a value traced by "
+        r"jit, grad or vmap: hyperparameters are fixed when the object is built, so build it "
+        r"outside the traced function",
+        message,
+    ), message
+
+
+def test_traced_integer_and_bool_hyperparameters_are_refused_too():
+    for kwargs in (
+        lambda x: {"increment_period": x.astype(jnp.int32)},
+        lambda x: {"consecutive_hysteresis": x > 0},
+    ):
+        with pytest.raises(TypeError, match="must be a static Python number"):
+            jax.jit(lambda x, kwargs=kwargs: jls.DynamicLossScale(**kwargs(x)).init())(
+                jnp.float32(3.0)
+            )
+    with pytest.raises(TypeError, match=r"^FixedLossScale\(loss_scale_value=.*static Python"):
+        jax.jit(lambda x: jls.FixedLossScale(x).init())(jnp.float32(3.0))
 
 
 def test_fixed_loss_scale_edge_values():

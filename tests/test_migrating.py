@@ -8,12 +8,16 @@ params are compared to rounding (rtol 1e-6): the peers unscale by a multiplicati
 division of their own, which XLA fuses differently, so the last bit of an update may differ.
 """
 
+import copy
+import dataclasses
 import functools
+import pickle
 
 import chex
 import jax
 import jax.numpy as jnp
 import jmp
+import mpx
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -85,6 +89,149 @@ def test_each_library_parses_the_others_policy_string():
             theirs.compute_dtype,
             theirs.output_dtype,
         )
+
+
+# --- jmp's habits after `import jax_lossscale as jmp`: errors that say what to write ---------
+
+JMP_NAMES_MISSING_HERE = {
+    "NoOpLossScale": "module 'jax_lossscale' has no attribute 'NoOpLossScale', jmp's name: a step "
+    "that selects on all_finite is DynamicLossScale(initial_loss_scale=1.0, max_loss_scale=1.0) "
+    "(scale 1, non-finite steps skipped); a step that applies every step is FixedLossScale(1.0); "
+    "either goes into loss_scaled(optimizer, loss_scale) (docs/migrating.md)",
+    "StaticLossScale": "module 'jax_lossscale' has no attribute 'StaticLossScale', jmp's name: "
+    "StaticLossScale(v) is DynamicLossScale(initial_loss_scale=v, min_loss_scale=v, "
+    "max_loss_scale=v) where the step selects on all_finite (non-finite steps skipped), "
+    "FixedLossScale(v) where every step is applied; either goes into loss_scaled(optimizer, "
+    "loss_scale) (docs/migrating.md)",
+    "select_tree": "module 'jax_lossscale' has no attribute 'select_tree', jmp's name: tx = "
+    "loss_scaled(optimizer, loss_scale) skips a non-finite step in tx.update (its updates are "
+    "-0.0, the optimizer state is kept); other state, such as a model's BatchNorm statistics, "
+    "is where_applied(opt_state, new_state, state) after tx.update (docs/migrating.md)",
+}
+
+
+@pytest.mark.parametrize("name", [*JMP_NAMES_MISSING_HERE, "DynamicLossScaling", "nope"])
+def test_a_jmp_or_mpx_name_missing_here_says_what_to_write_and_stays_out_of_the_api(name):
+    swapped = jls  # `import jax_lossscale as jmp`, the import swap of the migration page
+    with pytest.raises(AttributeError) as excinfo:
+        getattr(swapped, name)
+    message = str(excinfo.value)
+    if name in JMP_NAMES_MISSING_HERE:
+        assert message == JMP_NAMES_MISSING_HERE[name]
+    elif name == "DynamicLossScaling":
+        assert message.startswith(
+            "module 'jax_lossscale' has no attribute 'DynamicLossScaling', mpx's name: "
+            "DynamicLossScale(initial_loss_scale=loss_scaling, increment_period=period, "
+        )
+    else:
+        assert message == "module 'jax_lossscale' has no attribute 'nope'"
+    # Python adds "Did you mean: 'LossScale'?" to an error with a name, for a name of jmp's
+    # only, where the message says what to write.
+    assert (excinfo.value.name is None) == (name != "nope")
+    assert not hasattr(swapped, name)
+    assert name not in swapped.__all__
+    assert name not in dir(swapped)
+    peer = {"DynamicLossScaling": mpx, "nope": None}.get(name, jmp)
+    assert peer is None or hasattr(peer, name)  # a name of the peer's own
+    namespace = {}
+    exec("from jax_lossscale import *", namespace)
+    assert name not in namespace
+
+
+STATE_FIRST = (
+    "takes the loss scale's state first, the current one: opt_state.loss_scale_state under "
+    "loss_scaled, since tx.update unscales by the current scale (loss_scale.init() holds the "
+    "initial one). jmp's loss_scale.scale(loss) is loss * jls.get_loss_scale(opt_state), or "
+    "jls.value_and_grad(loss_fn, opt_state); its loss_scale.unscale(grads) happens inside "
+    "tx.update"
+)
+CURRENT_SCALE = (
+    "the current scale lives in the state, not in the loss scale: read it with "
+    "jls.get_loss_scale(opt_state) under loss_scaled, or loss_scale(state); the scale it "
+    "starts from is "
+)
+JMP_HABITS = {
+    "ls.scale(loss)": (
+        lambda ls: ls.scale(jnp.float32(2.0)),
+        TypeError,
+        "DynamicLossScale.scale(state, tree) " + STATE_FIRST,
+    ),
+    "ls.unscale(grads)": (
+        lambda ls: ls.unscale({"w": jnp.ones(2)}),
+        TypeError,
+        "DynamicLossScale.unscale(state, grads) " + STATE_FIRST,
+    ),
+    "ls.loss_scale": (
+        lambda ls: ls.loss_scale,
+        AttributeError,
+        "'DynamicLossScale' object has no attribute 'loss_scale'; "
+        + CURRENT_SCALE
+        + ".initial_loss_scale",
+    ),
+    "ls.counter": (
+        lambda ls: ls.counter,
+        AttributeError,
+        "'DynamicLossScale' object has no attribute 'counter'; the count of finite steps lives "
+        "in the state: jls.get_loss_scale_stats(opt_state) and "
+        "opt_state.loss_scale_state.good_steps",
+    ),
+    "ls.period": (
+        lambda ls: ls.period,
+        AttributeError,
+        "'DynamicLossScale' object has no attribute 'period'; write .increment_period",
+    ),
+    "period=": (
+        lambda ls: jls.DynamicLossScale(jnp.float32(2.0**15), period=2000),
+        TypeError,
+        "DynamicLossScale(period=2000): DynamicLossScale takes no argument period; write "
+        "increment_period=2000 (jmp's and mpx's period)",
+    ),
+    "factor=": (
+        lambda ls: jls.DynamicLossScale(factor=2),
+        TypeError,
+        "DynamicLossScale(factor=2): DynamicLossScale takes no argument factor; write "
+        "multiplier=2 (jmp's and mpx's factor)",
+    ),
+    "FixedLossScale(loss_scale=)": (
+        lambda ls: jls.FixedLossScale(loss_scale=128.0),
+        TypeError,
+        "FixedLossScale(loss_scale=128.0): FixedLossScale takes no argument loss_scale; write "
+        "loss_scale_value=128.0 (jmp's StaticLossScale(loss_scale))",
+    ),
+    "FixedLossScale.loss_scale": (
+        lambda ls: jls.FixedLossScale(128.0).loss_scale,
+        AttributeError,
+        "'FixedLossScale' object has no attribute 'loss_scale'; "
+        + CURRENT_SCALE
+        + ".loss_scale_value",
+    ),
+}
+
+
+@pytest.mark.parametrize("habit", JMP_HABITS)
+def test_a_jmp_habit_on_a_loss_scale_gets_an_error_naming_what_to_write(habit):
+    call, error, message = JMP_HABITS[habit]
+    with pytest.raises(error) as excinfo:
+        call(jls.DynamicLossScale())
+    assert str(excinfo.value) == message
+    if error is AttributeError:
+        assert excinfo.value.name is None  # no "Did you mean: 'max_loss_scale'?"
+
+
+def test_jmp_habit_checks_leave_subclasses_and_copies_alone():
+    """A user's subclass may have a `period` field; copies and `dataclasses.replace` work."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Periodic(jls.FixedLossScale):
+        period: int = 1
+
+    assert Periodic(4.0, period=3).period == 3
+    ls = jls.DynamicLossScale(increment_period=3)
+    assert copy.deepcopy(ls) == ls
+    assert pickle.loads(pickle.dumps(ls)) == ls
+    assert dataclasses.replace(ls, multiplier=4.0).multiplier == 4.0
+    with pytest.raises(AttributeError, match=r"^'DynamicLossScale' object has no attribute 'x'$"):
+        _ = ls.x
 
 
 # --- jmp's loss scales --------------------------------------------------------------------------
@@ -258,6 +405,65 @@ def test_jmps_select_tree_over_model_state_is_where_applied():
             assert not np.isfinite(new_state["mean"])
             assert_bits_equal(state, before)
     assert int(state["count"]) == 2
+
+
+def test_jmps_docstring_scale_written_as_an_array_maps_as_it_is():
+    """jmp's docstring builds its scale as `jnp.asarray(2.**15)`; the mapped loss scale takes
+    the array as the number it holds and runs as jmp's, step for step."""
+    loss_scale = jnp.asarray(2.0**15)
+    theirs, _ = jmp_run(optax.adam(0.1), jmp.DynamicLossScale(loss_scale, period=2), True)
+    ours = jls_run(
+        optax.adam(0.1), jls.DynamicLossScale(initial_loss_scale=loss_scale, increment_period=2)
+    )
+    assert [scale for _, scale, _ in ours] == EXPECTED_SCALES["DynamicLossScale"]
+    assert_runs_agree(ours, theirs)
+
+
+# --- mpx's DynamicLossScaling -----------------------------------------------------------------
+
+
+def test_mpxs_readme_set_up_maps_to_a_scale_that_moves_and_skips_as_mpxs():
+    """mpx's README builds its scale as `DynamicLossScaling(loss_scaling=mpx.FLOAT16_MAX,
+    min_loss_scaling=jnp.ones(()), ...)`. The row of docs/migrating.md takes those arrays as
+    they are and caps the scale at 65504, where mpx clips it: the scale after every step and
+    the skipped steps are mpx's (65504, 32752, 16376, ...)."""
+    loss_scaling, min_loss_scaling, factor, period = mpx.FLOAT16_MAX, jnp.ones(()), 2, 2
+    mapped = jls.DynamicLossScale(
+        initial_loss_scale=loss_scaling,
+        increment_period=period,
+        multiplier=factor,
+        min_loss_scale=min_loss_scaling,
+        max_loss_scale=max(loss_scaling, 2.0**15),
+    )
+    assert mapped == jls.DynamicLossScale(65504.0, 2, 2.0, max_loss_scale=65504.0)
+    ours = jls_run(optax.adam(0.1), mapped)
+    scales = [65504.0, 65504.0, 32752.0, 32752.0, 16376.0, 16376.0, 32752.0, 32752.0]
+    assert [scale for _, scale, _ in ours] == scales
+    assert [skipped for *_, skipped in ours] == [False, False, True, False, True] + [False] * 3
+
+    scaling = mpx.DynamicLossScaling(loss_scaling, min_loss_scaling, factor=factor, period=period)
+    theirs = []
+    for x in BATCHES:
+        finite = mpx.all_finite(jax.grad(loss)(PARAMS, x))
+        scaling = scaling.adjust(finite)
+        theirs.append((float(scaling.loss_scaling), not bool(finite)))
+    assert theirs == [(scale, skipped) for _, scale, skipped in ours]
+
+
+def test_mpxs_scale_from_a_power_of_two_maps_to_one_capped_at_two_to_the_15():
+    """From `loss_scaling=2.0**15` the row caps the scale at 2**15, so that it stays a power of
+    two: mpx clips a grown 2**16 to 65504 instead."""
+    loss_scaling = jnp.asarray(2.0**15)
+    mapped = jls.DynamicLossScale(
+        initial_loss_scale=loss_scaling,
+        increment_period=2,
+        min_loss_scale=jnp.ones(()),
+        max_loss_scale=max(loss_scaling, 2.0**15),
+    )
+    ours = jls_run(optax.adam(0.1), mapped)
+    assert [scale for _, scale, _ in ours] == [2.0**15] * 2 + [2.0**14] * 2 + [2.0**13] * 2 + [
+        2.0**14
+    ] * 2
 
 
 # --- flax's DynamicScale ----------------------------------------------------------------------
