@@ -1,6 +1,10 @@
 """Loss scaling for mixed-precision training in JAX."""
 
 from jax_lossscale._base import LossScale as LossScale
+from jax_lossscale._bf16_weights import KahanSummationState as KahanSummationState
+from jax_lossscale._bf16_weights import StochasticRoundingState as StochasticRoundingState
+from jax_lossscale._bf16_weights import kahan_summation as kahan_summation
+from jax_lossscale._bf16_weights import stochastic_rounding as stochastic_rounding
 from jax_lossscale._diagnostics import LossScaleStuckError as LossScaleStuckError
 from jax_lossscale._diagnostics import check_not_stuck as check_not_stuck
 from jax_lossscale._diagnostics import count_non_finite as count_non_finite
@@ -37,11 +41,13 @@ __all__ = [
     "DynamicLossScaleState",
     "FixedLossScale",
     "FixedLossScaleState",
+    "KahanSummationState",
     "LossScale",
     "LossScaleStats",
     "LossScaleStuckError",
     "LossScaledState",
     "Policy",
+    "StochasticRoundingState",
     "all_finite",
     "cast_to_full",
     "cast_to_half",
@@ -55,10 +61,12 @@ __all__ = [
     "get_loss_scale_stats",
     "get_policy",
     "half_dtype",
+    "kahan_summation",
     "loss_scaled",
     "non_finite_paths",
     "register",
     "serialize",
+    "stochastic_rounding",
     "value_and_grad",
     "where_applied",
     "__version__",

@@ -1,0 +1,446 @@
+"""bfloat16 and float16 weights without a float32 copy: `stochastic_rounding`, `kahan_summation`.
+
+The rounding's probabilities are checked exactly on the rounding functions given every
+random draw (bfloat16: all 2**16 of them; float16: the draws on either side of the
+threshold), and statistically through the public transformation: over 4096 keys, the
+count of upward roundings of each value lies within 5 standard deviations of a binomial
+with the exact probability (the mean within 5 sigma of the float32 value).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_lossscale as jls
+from jax_lossscale import _bf16_weights
+
+from helpers import assert_bits_equal, bits
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+KEYS = 4096
+
+
+def f32_of_bits(pattern: int) -> float:
+    return float(np.array([pattern], np.uint32).view(np.float32)[0])
+
+
+# (x in float32, lower neighbour, upper neighbour, probability of the upper one)
+BF16_CASES = [
+    (1 + 3 * 2**-10, 1.0, 1 + 2**-7, 3 / 8),
+    (-(1 + 3 * 2**-10), -(1 + 2**-7), -1.0, 5 / 8),  # lower is the larger magnitude
+    (2 - 2**-10, 2 - 2**-7, 2.0, 7 / 8),  # just below a power of two
+    (2 + 2**-9, 2.0, 2 + 2**-6, 1 / 8),  # just above it: a gap twice as wide
+    (-(2 + 2**-9), -(2 + 2**-6), -2.0, 7 / 8),
+    (4.0, 4.0, 4.0, 0.0),  # representable: always itself
+    (1e-4, 1.0001659e-4 - 2**-21, 1.0001659e-4, None),  # probability computed below
+]
+F16_CASES = [
+    (1.5 * 2**-24, 2**-24, 2**-23, 1 / 2),  # the smallest float16 subnormals
+    (-1.25 * 2**-24, -(2**-23), -(2**-24), 3 / 4),
+    (2**-14 - 2**-26, 1023 * 2**-24, 2**-14, 3 / 4),  # the top subnormal to the first normal
+    (1 + 2**-12, 1.0, 1 + 2**-10, 1 / 4),
+    (-(2 - 2**-13), -2.0, -(2 - 2**-10), 1 / 8),
+    (0.25, 0.25, 0.25, 0.0),
+]
+
+
+def _bf16_case_7():
+    x = np.float32(1e-4)
+    pattern = int(np.array([x]).view(np.uint32)[0])
+    lower, upper = f32_of_bits(pattern & 0xFFFF0000), f32_of_bits((pattern & 0xFFFF0000) + 2**16)
+    return (float(x), lower, upper, (pattern & 0xFFFF) / 2**16)
+
+
+BF16_CASES[-1] = _bf16_case_7()
+
+
+def round_many(dtype, xs, params=None):
+    """`xs` (float32) as `stochastic_rounding` rounds them from zero weights, once per key."""
+    params = jnp.zeros(len(xs), dtype) if params is None else params
+    updates = jnp.asarray(xs, F32) - params.astype(F32)
+
+    def once(key):
+        tx = jls.stochastic_rounding(key)
+        new_updates, _ = tx.update(updates, tx.init(params), params)
+        return optax.apply_updates(params, new_updates)
+
+    keys = jax.random.split(jax.random.key(20240611), KEYS)
+    return np.asarray(jax.jit(jax.vmap(once))(keys).astype(F32))
+
+
+# --- the rounding, exactly ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        0x3F806000,  # 1 + 3 * 2**-10
+        0xBF806000,  # its negative
+        0x3FFFE000,  # just below 2
+        0x40000000,  # 2: representable
+        0x00012345,  # a float32 subnormal between two bfloat16 subnormals
+        0x007FFFFF,  # the largest subnormal, up to the smallest normal
+        0x7F7FFFFF,  # the largest float32, between the largest bfloat16 and infinity
+        0xFF7F8000,  # its negative half-way
+    ],
+)
+def test_bfloat16_rounds_up_for_exactly_the_dropped_fraction_of_all_2_16_draws(pattern):
+    x = jnp.full(2**16, f32_of_bits(pattern), F32)
+    draws = jnp.arange(2**16, dtype=jnp.uint32).astype(jnp.uint16)
+    rounded = np.asarray(_bf16_weights.round_bfloat16(x, draws)).view(np.uint16)
+    toward_zero, away = pattern >> 16, (pattern >> 16) + 1
+    values, counts = np.unique(rounded, return_counts=True)
+    expected = {toward_zero: 2**16 - (pattern & 0xFFFF), away: pattern & 0xFFFF}
+    assert dict(zip(values.tolist(), counts.tolist(), strict=True)) == {
+        value: count for value, count in expected.items() if count
+    }
+    if pattern == 0x7F7FFFFF:
+        assert f32_of_bits(away << 16) == np.inf
+
+
+@pytest.mark.parametrize(
+    ("x", "toward_zero", "away", "probability"),
+    [
+        (1 + 2**-12, 1.0, 1 + 2**-10, 0.25),
+        (-(2 - 2**-13), -(2 - 2**-10), -2.0, 0.875),  # to -2, the lower neighbour, with 7/8
+        (1.5 * 2**-24, 2**-24, 2**-23, 0.5),  # subnormal
+        (2**-14 - 2**-26, 1023 * 2**-24, 2**-14, 0.75),
+        (65504 + 8, 65504.0, np.inf, 0.25),  # beyond the largest float16
+        (2**-30, 0.0, 2**-24, 2**-6),  # below the smallest subnormal
+        (2**-33 * 1.5, 0.0, 2**-24, 1.5 * 2**-9),  # the last binade rounded exactly
+        (3.0, 3.0, 3.0, 0.0),
+    ],
+)
+def test_float16_rounds_away_from_zero_for_draws_below_exactly_the_probability_times_2_32(
+    x, toward_zero, away, probability
+):
+    # A uniform 32-bit draw r rounds away from zero when r < p * 2**32: probability p, the
+    # distance from the neighbour toward zero over the gap.
+    threshold = int(probability * 2**32)
+    assert threshold == probability * 2**32
+    draws = jnp.array([0, max(threshold - 1, 0), threshold, 2**32 - 1], jnp.uint32)
+    rounded = np.asarray(_bf16_weights.round_float16(jnp.full(4, x, F32), draws)).astype(float)
+    first = away if threshold else toward_zero
+    np.testing.assert_array_equal(rounded, [first, first, toward_zero, toward_zero])
+
+
+def test_infinities_and_nan_pass_through_either_rounding():
+    x = jnp.array([np.inf, -np.inf, np.nan, f32_of_bits(0x7F800001)], F32)  # a NaN payload
+    for draws in (jnp.zeros(4, jnp.uint16), jnp.full(4, 0xFFFF, jnp.uint16)):
+        bf16 = np.asarray(_bf16_weights.round_bfloat16(x, draws)).astype(float)
+        assert bf16[:2].tolist() == [np.inf, -np.inf]
+        assert np.isnan(bf16[2:]).all()
+    for draws in (jnp.zeros(4, jnp.uint32), jnp.full(4, 2**32 - 1, jnp.uint32)):
+        f16 = np.asarray(_bf16_weights.round_float16(x, draws)).astype(float)
+        assert f16[:2].tolist() == [np.inf, -np.inf]
+        assert np.isnan(f16[2:]).all()
+
+
+# --- stochastic_rounding, statistically -------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "cases"), [(BF16, BF16_CASES), (F16, F16_CASES)])
+def test_each_neighbour_comes_with_its_probability_and_the_mean_is_the_float32_value(dtype, cases):
+    xs, lowers, uppers, probabilities = (
+        np.array(column, float) for column in zip(*cases, strict=True)
+    )
+    rounded = round_many(dtype, xs)
+    is_upper = rounded == uppers
+    assert ((rounded == lowers) | is_upper).all()  # nothing but the two neighbours
+    ups = np.where(lowers == uppers, 0, is_upper.sum(axis=0))
+    sigma = np.sqrt(KEYS * probabilities * (1 - probabilities))
+    assert (np.abs(ups - KEYS * probabilities) <= 5 * sigma).all(), (ups, KEYS * probabilities)
+    # The same bound on the mean, in units of the value: unbiased.
+    gap_sigma = (uppers - lowers) * sigma / KEYS
+    assert (np.abs(rounded.mean(axis=0) - xs) <= 5 * gap_sigma + 1e-12 * np.abs(xs)).all()
+
+
+def test_a_weight_plus_an_update_rounds_from_their_float32_sum():
+    params = jnp.array([1.0, -3.0, 1024.0, 2.0**-100], BF16)
+    updates = jnp.array([3 * 2**-10, -(2**-9), 1.0, -(2.0**-100) * 0.25], F32)
+    sums = params.astype(F32) + updates  # all exact in float32
+    rounded = round_many(BF16, sums, params=params)
+    lowers = np.array([1.0, -3.015625, 1024.0, 0.75 * 2.0**-100])
+    uppers = np.array([1.0078125, -3.0, 1032.0, 0.75 * 2.0**-100])
+    probabilities = np.array([3 / 8, 7 / 8, 1 / 8, 0.0])
+    assert ((rounded == lowers) | (rounded == uppers)).all()
+    ups = (rounded == uppers).sum(axis=0)[:3]
+    sigma = np.sqrt(KEYS * probabilities * (1 - probabilities))[:3]
+    assert (np.abs(ups - KEYS * probabilities[:3]) <= 5 * sigma).all(), ups
+
+
+def test_the_new_weight_is_a_neighbour_of_the_sum_over_the_whole_range_of_magnitudes():
+    """`optax.apply_updates` lands on the rounded value however far apart weight and update
+    are: each new weight is one of the two bfloat16 (float16) values around the float32
+    sum."""
+    rng = np.random.default_rng(0)
+    for dtype, low, high in [(BF16, -60, 60), (F16, -20, 14)]:
+        size = 4096
+        params = np.sign(rng.normal(size=size)) * 2.0 ** rng.uniform(low, high, size)
+        updates = np.sign(rng.normal(size=size)) * 2.0 ** rng.uniform(low, high, size)
+        params = jnp.asarray(params, dtype)
+        updates = jnp.asarray(updates, F32)
+        tx = jls.stochastic_rounding(jax.random.key(1))
+        new_updates, _ = jax.jit(tx.update)(updates, tx.init(params), params)
+        new = np.asarray(optax.apply_updates(params, new_updates).astype(F32), float)
+        sums = np.asarray(params.astype(F32) + updates, np.float32)
+        np_dtype = ml_dtypes.bfloat16 if dtype == BF16 else np.float16
+        nearest = sums.astype(np_dtype)
+        step = np.where(nearest.astype(np.float32) <= sums, 1, -1)
+        other = np.nextafter(nearest, (step * np.inf).astype(np_dtype))
+        ok = (new == nearest.astype(float)) | (new == other.astype(float))
+        assert ok.all(), (sums[~ok][:4], new[~ok][:4])
+        assert (new != nearest.astype(float)).any()  # some did round the other way
+
+
+def test_non_finite_sums_and_overflow_come_through():
+    params = jnp.array([1.0, np.inf, 1.0, 65504.0, -65504.0, 2.0], F16)
+    updates = jnp.array([np.inf, 1.0, np.nan, 64.0, -0.0, -np.inf], F32)
+    tx = jls.stochastic_rounding(jax.random.key(0))
+    new_updates, _ = tx.update(updates, tx.init(params), params)
+    new = np.asarray(optax.apply_updates(params, new_updates), float)
+    assert new[[0, 1, 3, 4, 5]].tolist() == [np.inf, np.inf, np.inf, -65504.0, -np.inf]
+    assert np.isnan(new[2])
+
+
+def test_wider_and_non_floating_leaves_pass_through_as_the_inner_updates():
+    params = {"f32": jnp.ones(3, F32), "int": jnp.arange(3), "bf16": jnp.ones(3, BF16)}
+    updates = {"f32": jnp.full(3, 1e-3, F32), "int": jnp.ones(3, jnp.int32), "bf16": jnp.ones(3)}
+    for tx in (jls.stochastic_rounding(jax.random.key(0)), jls.kahan_summation()):
+        new_updates, state = tx.update(updates, tx.init(params), params)
+        assert new_updates["f32"] is updates["f32"]
+        assert new_updates["int"] is updates["int"]
+        assert optax.apply_updates(params, new_updates)["bf16"].tolist() == [2.0] * 3
+    assert state.compensation["f32"] is None
+    assert state.compensation["bf16"].dtype == BF16
+
+
+# --- the stall and its cure ---------------------------------------------------------------
+
+
+def run_1000_steps(tx, params):
+    def step(_, carry):
+        params, state = carry
+        updates, state = tx.update(jnp.full(params.shape, -1e-4, F32), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.lax.fori_loop(0, 1000, step, (params, tx.init(params)))
+
+
+def test_1000_updates_of_minus_1e_4_stall_at_nearest_and_reach_0_9_with_either_remedy():
+    float32 = jax.jit(run_1000_steps, static_argnums=0)(optax.identity(), jnp.ones(3, F32))[0]
+    np.testing.assert_allclose(float32, 0.9, rtol=1e-4)  # 0.89998, float32 rounding
+    nearest = jax.jit(run_1000_steps, static_argnums=0)(optax.identity(), jnp.ones(3, BF16))[0]
+    assert nearest.tolist() == [1.0, 1.0, 1.0]
+
+    kahan, state = jax.jit(run_1000_steps, static_argnums=0)(
+        jls.kahan_summation(), jnp.ones(3, BF16)
+    )
+    assert kahan.tolist() == [0.90234375] * 3  # within 0.3% of float32
+    assert np.all(np.abs(kahan.astype(F32) - float32) <= 0.01 * float32)
+    wide, state = jax.jit(run_1000_steps, static_argnums=0)(
+        jls.kahan_summation(jnp.float32), jnp.ones(3, BF16)
+    )
+    assert wide.tolist() == [0.8984375] * 3  # the bfloat16 nearest to 0.9
+    np.testing.assert_allclose(wide.astype(F32) + state.compensation, float32, atol=1e-6)
+
+    # One stochastic run moves by 2**-8 with probability 0.0256 per step: a standard
+    # deviation of 0.0195 after 1000 steps. The mean of 256 runs has one of 0.0012.
+    keys = jax.random.split(jax.random.key(7), 256)
+    runs = jax.jit(
+        jax.vmap(lambda key: run_1000_steps(jls.stochastic_rounding(key), jnp.ones(3, BF16))[0])
+    )(keys).astype(F32)
+    assert abs(float(jnp.mean(runs)) - float(float32[0])) <= 0.01 * 0.9
+    assert float(jnp.max(jnp.abs(runs - float32))) <= 6 * 0.0195
+
+
+# --- inside loss_scaled ---------------------------------------------------------------------
+
+
+def make_tx(remedy):
+    last = jls.stochastic_rounding(jax.random.key(3)) if remedy == "sr" else jls.kahan_summation()
+    inner = optax.chain(optax.adamw(1e-2, weight_decay=1e-2), last)
+    return jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=2.0**10))
+
+
+def initial_params():
+    return {"w": jnp.linspace(-1, 1, 32, dtype=F32).reshape(4, 8).astype(BF16)}
+
+
+def loss_fn(params, x):
+    return jnp.mean((x @ params["w"].astype(F32)) ** 2)
+
+
+def train_step(tx, params, opt_state, x):
+    scale = jls.get_loss_scale(opt_state)
+    grads = jax.grad(lambda p: loss_fn(p, x) * scale)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def batch(seed, nan=False):
+    x = np.random.default_rng(seed).normal(size=(2, 4)).astype(np.float32)
+    if nan:
+        x[1, 2] = np.nan
+    return jnp.asarray(x)
+
+
+def last_state(opt_state):
+    return opt_state.inner_state[-1]
+
+
+@pytest.mark.parametrize("remedy", ["sr", "kahan"])
+def test_a_nan_batch_leaves_params_buffer_and_key_bit_for_bit(remedy):
+    tx = make_tx(remedy)
+    step = jax.jit(lambda p, s, x: train_step(tx, p, s, x))
+    params = initial_params()
+    params, opt_state = step(params, tx.init(params), batch(0))
+    before = (params, opt_state.inner_state)  # adamw's state and the last transformation's
+    params, opt_state = step(params, opt_state, batch(1, nan=True))
+    assert not bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**9
+    assert_bits_equal((params, opt_state.inner_state), before)
+    if remedy == "kahan":
+        assert bool(jnp.any(last_state(opt_state).compensation["w"] != 0))
+    else:  # the next applied step draws from the key the skipped one left
+        assert last_state(opt_state).key.tolist() == before[1][-1].key.tolist()
+        _, next_state = step(params, opt_state, batch(2))
+        assert last_state(next_state).key.tolist() != before[1][-1].key.tolist()
+
+
+@pytest.mark.multi_device
+def test_pmap_replicas_round_alike():
+    devices = jax.local_devices()[:8]
+    tx = make_tx("sr")
+
+    def step(params, opt_state, x):
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: loss_fn(p, x) * scale)(params)
+        grads = jax.lax.pmean(grads, "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    pstep = jax.pmap(step, axis_name="batch", devices=devices)
+    params = jax.tree.map(lambda leaf: jnp.stack([leaf] * 8), initial_params())
+    opt_state = jax.pmap(tx.init, devices=devices)(params)
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(8, 2, 4)), F32)  # per device
+    for _ in range(3):
+        params, opt_state = pstep(params, opt_state, xs)
+    for leaf in jax.tree.leaves((params, opt_state)):
+        leaf_bits = bits(np.asarray(leaf))
+        assert (leaf_bits == leaf_bits[:1]).all()
+    assert bool(jnp.any(params["w"][0] != initial_params()["w"]))
+
+
+@pytest.mark.multi_device
+def test_a_sharded_leaf_under_spmd_jit_rounds_as_the_unsharded_leaf():
+    mesh = Mesh(np.array(jax.local_devices()[:8]), ("data",))
+    params = jnp.linspace(1, 2, 64 * 8, dtype=F32).reshape(64, 8).astype(BF16)
+    updates = jnp.full((64, 8), 1e-3, F32)
+    tx = jls.stochastic_rounding(jax.random.key(5))
+    update = jax.jit(tx.update)
+    unsharded, _ = update(updates, tx.init(params), params)
+    sharding = NamedSharding(mesh, P("data"))
+    sharded, _ = update(
+        jax.device_put(updates, sharding), tx.init(params), jax.device_put(params, sharding)
+    )
+    assert sharded.sharding.is_equivalent_to(sharding, 2)
+    assert_bits_equal(sharded, unsharded)
+
+
+@pytest.mark.parametrize("remedy", ["sr", "kahan"])
+def test_one_trace_for_many_steps(remedy):
+    tx = make_tx(remedy)
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, opt_state, x):
+        return train_step(tx, params, opt_state, x)
+
+    params = initial_params()
+    opt_state = tx.init(params)
+    for seed in range(4):
+        params, opt_state = step(params, opt_state, batch(seed, nan=seed == 2))
+
+
+@pytest.mark.parametrize("remedy", ["sr", "kahan"])
+def test_an_orbax_checkpoint_continues_bit_for_bit(tmp_path, remedy):
+    tx = make_tx(remedy)
+    step = jax.jit(lambda p, s, x: train_step(tx, p, s, x))
+    params = initial_params()
+    opt_state = tx.init(params)
+    for seed in range(3):
+        params, opt_state = step(params, opt_state, batch(seed))
+    target = jax.eval_shape(lambda: {"params": params, "opt_state": opt_state})
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert_bits_equal(restored, {"params": params, "opt_state": opt_state})
+    expected = step(params, opt_state, batch(3))
+    resumed = step(restored["params"], restored["opt_state"], batch(3))
+    assert_bits_equal(resumed, expected)
+
+
+def test_the_same_rounding_with_and_without_jit(jit_or_eager):
+    params = jnp.linspace(1, 2, 16, dtype=F32).astype(BF16)
+    tx = jls.stochastic_rounding(jax.random.key(9))
+    expected, _ = jax.jit(tx.update)(jnp.full(16, 1e-3), tx.init(params), params)
+    got, state = jit_or_eager(tx.update, jnp.full(16, 1e-3), tx.init(params), params)
+    assert_bits_equal(got, expected)
+    assert state.key.dtype == jnp.uint32
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "message"),
+    [
+        (0, TypeError, "stochastic_rounding(key=0): key must be a PRNG key such as"),
+        (jnp.zeros(2, F32), TypeError, "key must be a PRNG key such as jax.random.key(0), got"),
+        (jnp.zeros(3, jnp.uint32), TypeError, "key must be a PRNG key"),
+        (jax.random.split(jax.random.key(0), 3), ValueError, "got a key array of shape (3,)"),
+    ],
+)
+def test_a_key_that_is_not_one_prng_key_is_an_error_naming_key(key, error, message):
+    with pytest.raises(error) as raised:
+        jls.stochastic_rounding(key)
+    assert message in str(raised.value)
+
+
+def test_a_legacy_uint32_key_is_accepted():
+    tx = jls.stochastic_rounding(jax.random.PRNGKey(0))
+    assert tx.init({}).key.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error"), [(jnp.int32, ValueError), ("nope", TypeError), (object(), TypeError)]
+)
+def test_a_non_floating_compensation_dtype_is_an_error_naming_it(dtype, error):
+    with pytest.raises(
+        error, match=r"kahan_summation\(compensation_dtype=.*\): compensation_dtype"
+    ):
+        jls.kahan_summation(dtype)
+
+
+@pytest.mark.parametrize("tx", [jls.stochastic_rounding(jax.random.key(0)), jls.kahan_summation()])
+def test_update_without_params_is_an_error(tx):
+    params = jnp.ones(2, BF16)
+    with pytest.raises(ValueError, match=r"\.update: params are required"):
+        tx.update(jnp.ones(2), tx.init(params))
+
+
+def test_a_float8_weight_is_an_error_naming_its_path():
+    params = {"w": jnp.ones(2, jnp.float8_e4m3fn)}
+    tx = jls.stochastic_rounding(jax.random.key(0))
+    with pytest.raises(TypeError, match=r"the param \['w'\] is of dtype float8_e4m3fn"):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)
