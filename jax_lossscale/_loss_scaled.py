@@ -9,6 +9,7 @@ import optax
 from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply
 from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
+from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import check_gradients
 from jax_lossscale._spikes import SpikeRule
@@ -30,6 +31,7 @@ def loss_scaled(
     skip_grad_norm_above: float | None = None,
     skip_spike_sigmas: float | None = None,
     spike_window: int = 128,
+    fp8_meta: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that it takes the gradients of a scaled loss.
 
@@ -65,6 +67,14 @@ def loss_scaled(
       skip_spike_sigmas: skip finite steps this many standard deviations above the
         recent mean, or None.
       spike_window: how many applied steps the spike test looks back on, >= 2.
+      fp8_meta: which leaves are fp8 meta state (scales, amax histories), whose
+        "gradients" are their new values: None for every leaf under a dict key
+        `"_overwrite_with_gradient"` (flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`), a
+        predicate `(path, leaf) -> bool`, or a pytree of bools, a prefix of the
+        gradients' structure. Those leaves are never unscaled nor given to `inner`,
+        nor counted in `grad_norm`; their updates are `new - old` on an applied step,
+        -0.0 on a skipped one, and a non-finite new value skips the step
+        (docs/integrations.md, "fp8 layers").
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -90,9 +100,10 @@ def loss_scaled(
     check_axis_name(axis_name, caller="loss_scaled", require_bound=False)
     check_holds_scale(loss_scale, caller="loss_scaled")
     spike_rule = SpikeRule(skip_grad_norm_above, skip_spike_sigmas, spike_window)
+    meta_leaves = MetaLeaves(fp8_meta)  # fp8 scales and amax histories: _fp8_meta.py
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        inner_state = inner.init(params)
+        inner_state = inner.init(meta_leaves.without(params))
         if wrapper_states(inner_state):
             raise ValueError(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
@@ -111,7 +122,7 @@ def loss_scaled(
         check_state(state, spike_rule)
         check_array_leaves(updates, arg_name="updates", caller="loss_scaled.update")
         check_axis_name(axis_name, caller="loss_scaled.update")
-        scaled_grads = updates
+        scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
         loss = spike_rule.loss(extra_args.get("value"))
 
         # Check. Unscaling by a scale of 1 or more leaves finite gradients finite, so where
@@ -122,17 +133,17 @@ def loss_scaled(
         select = skips_by_select(state.inner_state, scaled_grads)
         if select and loss_scale._checks_scaled_gradients:
             scale = loss_scale._checked_scale(state.loss_scale_state)
-            check = check_gradients(scaled_grads, axis_name, scale)
+            check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
             loss_scale_state, scale_applies = loss_scale._update_given_finite(
                 state.loss_scale_state, check.finite
             )
         else:
             grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
             loss_scale_state, scale_applies = loss_scale.update(
-                state.loss_scale_state, grads, axis_name
+                state.loss_scale_state, meta.with_values(grads), axis_name
             )
             check_should_apply(loss_scale, scale_applies, caller="loss_scaled")
-            check = check_gradients(grads, axis_name)
+            check = meta.joined(check_gradients(grads, axis_name))
         grad_norm, grads_finite = check.norm, check.finite
         if loss is not None and axis_name is not None:
             loss = jax.lax.pmean(loss, axis_name)
@@ -143,6 +154,7 @@ def loss_scaled(
         else:  # a non-finite step, the largest spike there is, is skipped under every loss scale
             spike = spike & scale_applies & grads_finite
             apply = scale_applies & grads_finite & ~spike
+        apply = meta.gated(apply)  # a non-finite new meta value is skipped under every scale
 
         # The applied branch unscales on its own, fused into the inner update (docs/design.md).
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
@@ -154,6 +166,7 @@ def loss_scaled(
         new_updates, inner_state = apply_or_skip(
             apply, inner_update, state.inner_state, select=select
         )
+        new_updates = meta.merged(new_updates, apply)
         stats = next_stats(
             state.stats,
             grad_norm=grad_norm,

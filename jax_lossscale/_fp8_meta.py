@@ -1,0 +1,191 @@
+"""fp8 meta state: the leaves whose "gradients" are their new values, kept out of the optimizer.
+
+fp8 layers (flax linen's `fp8_ops.Fp8DotGeneralOp`, `Fp8Einsum`) keep their scales and
+amax histories as variables whose cotangents are their next values. `loss_scaled` finds
+those leaves here, hands the rest of the tree to the inner optimizer, and turns the new
+values into updates that set them, or keep them on a skipped step.
+"""
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._checks import describe, path_name
+from jax_lossscale._numerics import GradientCheck
+from jax_lossscale._types import AxisName, PyTree
+
+# flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT, the collection of flax's fp8 meta state
+# (a test checks that the two agree; flax is not imported at run time).
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+def _under_collection(path: tuple[Any, ...], leaf: Any) -> bool:
+    """The default: a leaf under a dict key equal to flax's collection name."""
+    del leaf
+    return any(
+        isinstance(key, jax.tree_util.DictKey) and key.key == OVERWRITE_WITH_GRADIENT
+        for key in path
+    )
+
+
+class MetaLeaves:
+    """Which leaves of the gradients (and params) are meta state, from `loss_scaled`'s
+    `fp8_meta` argument: None for the default, a predicate `(path, leaf) -> bool`, or a
+    pytree of bools (a mask), a prefix of the gradients' structure."""
+
+    def __init__(self, fp8_meta: Any) -> None:
+        self._predicate: Callable[[tuple[Any, ...], Any], Any] | None = None
+        self._mask: PyTree = None
+        if fp8_meta is None:
+            self._predicate = _under_collection
+        elif callable(fp8_meta):
+            self._predicate = fp8_meta
+        else:
+            leaves = jax.tree.leaves(fp8_meta)
+            if not leaves or not all(isinstance(leaf, bool | np.bool_) for leaf in leaves):
+                raise TypeError(
+                    f"loss_scaled(fp8_meta={describe(fp8_meta)}): fp8_meta must be None (flax's "
+                    f"'{OVERWRITE_WITH_GRADIENT}' collection), a predicate (path, leaf) -> bool, "
+                    "or a pytree of bools (a mask) whose structure is a prefix of the gradients'"
+                )
+            self._mask = fp8_meta
+
+    def flags(self, tree: PyTree, arg_name: str) -> list[bool]:
+        """Per leaf of `tree`, in `jax.tree.leaves` order, whether it is meta state."""
+        if self._predicate is not None:
+            flags = []
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                flag = self._predicate(path, leaf)
+                if not isinstance(flag, bool | np.bool_):
+                    raise TypeError(
+                        f"loss_scaled.update: the fp8_meta predicate returned {describe(flag)} "
+                        f"for the {arg_name} leaf at {path_name(path)}; it must return a "
+                        "Python bool"
+                    )
+                flags.append(bool(flag))
+            return flags
+        try:
+            spread = jax.tree.map(
+                lambda flag, subtree: jax.tree.map(lambda _: bool(flag), subtree),
+                self._mask,
+                tree,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"loss_scaled.update: the fp8_meta mask has the structure "
+                f"{jax.tree.structure(self._mask)}, which is not a prefix of the {arg_name}' "
+                f"structure {jax.tree.structure(tree)}"
+            ) from error
+        return cast(list[bool], jax.tree.leaves(spread))
+
+    def without(self, params: PyTree) -> PyTree:
+        """`params` with None in place of its meta leaves, for `inner.init`."""
+        if params is None:
+            return None
+        leaves, structure = jax.tree.flatten(params)
+        flags = self.flags(params, "params")
+        kept = [None if flag else leaf for leaf, flag in zip(leaves, flags, strict=True)]
+        return jax.tree.unflatten(structure, kept)
+
+    def split(
+        self, updates: PyTree, params: PyTree, axis_name: AxisName | None
+    ) -> tuple[PyTree, PyTree, "MetaStep"]:
+        """The gradients and params with None for their meta leaves, and the meta step."""
+        leaves, structure = jax.tree.flatten(updates)
+        flags = self.flags(updates, "gradients")
+        if not any(flags):
+            return updates, params, MetaStep()
+        if params is None:
+            raise ValueError(
+                "loss_scaled.update: the gradients hold fp8 meta leaves, whose updates are "
+                "their new values minus the old ones; pass params to update"
+            )
+        # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `!=` type-checks.
+        params_structure: jax.tree_util.PyTreeDef = jax.tree.structure(params)
+        if params_structure != structure:
+            raise ValueError(
+                f"loss_scaled.update: the gradients hold fp8 meta leaves, so params must have "
+                f"their structure {structure}, but it has {params_structure}"
+            )
+        old_leaves = jax.tree.leaves(params)
+        grads = jax.tree.unflatten(
+            structure, [None if flag else leaf for leaf, flag in zip(leaves, flags, strict=True)]
+        )
+        kept_params = jax.tree.unflatten(
+            structure,
+            [None if flag else leaf for leaf, flag in zip(old_leaves, flags, strict=True)],
+        )
+        new = [leaf for leaf, flag in zip(leaves, flags, strict=True) if flag]
+        old = [leaf for leaf, flag in zip(old_leaves, flags, strict=True) if flag]
+        return grads, kept_params, MetaStep(structure, flags, new, old, axis_name)
+
+
+class MetaStep:
+    """One step's meta leaves: their new values (combined over `axis_name` by max), the
+    old ones, and whether the new ones are finite. Built with no arguments, a step whose
+    gradients hold none: every method then gives back what it is given."""
+
+    def __init__(
+        self,
+        structure: Any = None,
+        flags: list[bool] | None = None,
+        new: list[jax.Array] | None = None,
+        old: list[jax.Array] | None = None,
+        axis_name: AxisName | None = None,
+    ) -> None:
+        self._structure = structure
+        self._flags = flags or []
+        self._local = new or []
+        self._old = old or []
+        self.finite: jax.Array | None = None
+        self.has_nan: jax.Array | None = None
+        if not self._local:
+            self._new: list[jax.Array] = []
+            return
+        floating = [
+            jnp.asarray(leaf) for leaf in self._local if jnp.issubdtype(leaf.dtype, jnp.inexact)
+        ]
+        finite = jnp.stack(
+            [jnp.isfinite(leaf).all() for leaf in floating] or [jnp.array(True)]
+        ).all()
+        has_nan = jnp.stack(
+            [jnp.isnan(leaf).any() for leaf in floating] or [jnp.array(False)]
+        ).any()
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+            has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
+            self._new = [jax.lax.pmax(leaf, axis_name) for leaf in self._local]
+        else:
+            self._new = list(self._local)
+        self.finite, self.has_nan = finite, has_nan
+
+    def joined(self, check: GradientCheck) -> GradientCheck:
+        """The check of the gradients, with the meta values' finiteness and NaNs added."""
+        if self.finite is None or self.has_nan is None:
+            return check
+        return check._replace(
+            finite=check.finite & self.finite, has_nan=check.has_nan | self.has_nan
+        )
+
+    def with_values(self, grads: PyTree) -> PyTree:
+        """What a loss scale's `update` checks: the gradients and the new meta values."""
+        return (grads, self._local) if self._local else grads
+
+    def gated(self, apply: jax.Array) -> jax.Array:
+        """`apply`, false where a new meta value is not finite, under every loss scale."""
+        return apply if self.finite is None else apply & self.finite
+
+    def merged(self, updates: PyTree, apply: jax.Array) -> PyTree:
+        """The inner updates with, at the meta leaves, `new - old` where `apply`, else -0.0."""
+        if not self._local:
+            return updates
+        inner_leaves = iter(jax.tree.leaves(updates))
+        meta_updates = iter(
+            jnp.where(apply, new - old, jnp.full_like(old, -0.0)).astype(jnp.result_type(old))
+            for new, old in zip(self._new, self._old, strict=True)
+        )
+        leaves = [next(meta_updates) if flag else next(inner_leaves) for flag in self._flags]
+        return jax.tree.unflatten(self._structure, leaves)
