@@ -234,6 +234,54 @@ def test_jmp_habit_checks_leave_subclasses_and_copies_alone():
         _ = ls.x
 
 
+def test_ls_scale_takes_the_current_state_from_opt_state_not_a_fresh_init():
+    """The row for jmp's `loss_scale.scale(loss)`: `ls.scale(state, loss)` with the state from
+    `opt_state` gives the true step; with `ls.init()`, after one back-off, the loss is scaled by
+    2**15 while `tx.update` unscales by 2**14: every update is twice too large."""
+    ls = jls.DynamicLossScale(2.0**15)
+    tx = jls.loss_scaled(optax.sgd(1.0), ls)
+    params = {"w": jnp.ones(2)}
+    _, opt_state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**14
+
+    def scaled_grads(state):
+        return jax.grad(lambda p: ls.scale(state, jnp.sum(p["w"])))(params)
+
+    current, _ = tx.update(scaled_grads(opt_state.loss_scale_state), opt_state, params)
+    fresh, _ = tx.update(scaled_grads(ls.init()), opt_state, params)
+    np.testing.assert_array_equal(current["w"], [-1.0, -1.0])
+    np.testing.assert_array_equal(fresh["w"], [-2.0, -2.0])
+
+
+def test_a_jls_policy_does_what_haikus_set_policy_asks_of_a_jmp_policy():
+    """`hk.mixed_precision.set_policy(cls, policy)` (haiku 0.0.17, not a dependency here) reads
+    `policy.param_dtype` to create parameters, and calls `policy.cast_to_compute` on a module's
+    `(args, kwargs)` and on each parameter it reads, and `policy.cast_to_output` on its output.
+    A jls `Policy` answers each as jmp's does: same dtypes, same values."""
+    spec = "params=float32,compute=float16,output=float32"
+    ours, theirs = jls.get_policy(spec), jmp.get_policy(spec)
+    assert ours.param_dtype == theirs.param_dtype == jnp.float32
+    args_kwargs = (
+        (jnp.full((2, 3), 1.5), np.full(2, 0.25), jnp.arange(3)),
+        {"is_training": True, "rate": 0.1, "mask": jnp.ones(2, jnp.bool_)},
+    )
+    parameter = jnp.full((3,), 2.5, jnp.float32)
+    output = {"logits": jnp.full((2,), 3.5, jnp.float16), "state": jnp.int32(4)}
+    for cast, tree in [
+        ("cast_to_compute", args_kwargs),
+        ("cast_to_compute", parameter),
+        ("cast_to_output", output),
+    ]:
+        got, want = getattr(ours, cast)(tree), getattr(theirs, cast)(tree)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert type(a) is type(b) or isinstance(a, jax.Array | np.generic), (a, b)
+            assert np.asarray(a).dtype == np.asarray(b).dtype, (cast, a, b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ours.cast_to_compute(parameter).dtype == jnp.float16
+    assert ours.cast_to_output(output)["logits"].dtype == jnp.float32
+
+
 # --- jmp's loss scales --------------------------------------------------------------------------
 
 
@@ -251,14 +299,16 @@ PARAMS = {"w": jnp.array([1.0, -2.0, 0.25])}
 def jmp_run(inner, loss_scale, skip, batches=BATCHES, params=PARAMS, opt_state=None):
     """jmp's train step as its README and the haiku ImageNet example write it, eagerly (a jmp
     loss scale cannot be a jit argument on current JAX): `(params, scale, skipped)` per step,
-    and the final `(params, opt_state, loss_scale)`."""
+    and the final `(params, opt_state, loss_scale)`. As in the haiku example, a step that does
+    not skip does not adjust the scale either (`--mp_skip_nonfinite` guards both)."""
     opt_state = inner.init(params) if opt_state is None else opt_state
     trace = []
     for x in batches:
         grads = jax.grad(lambda p, x=x, ls=loss_scale: ls.scale(loss(p, x)))(params)
         grads = loss_scale.unscale(grads)
         grads_finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(grads_finite)
+        if skip:
+            loss_scale = loss_scale.adjust(grads_finite)
         updates, new_opt_state = inner.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if skip:
@@ -311,6 +361,11 @@ JMP_MAPPINGS = {
             initial_loss_scale=2.0**15, increment_period=2, multiplier=2.0
         ),
     ),
+    "DynamicLossScale, never adjusted": (
+        lambda: jmp.DynamicLossScale(jnp.float32(2.0**15), period=2, factor=2),
+        False,
+        lambda: jls.FixedLossScale(2.0**15),
+    ),
     "StaticLossScale, skipping": (
         lambda: jmp.StaticLossScale(jnp.float32(2.0**8)),
         True,
@@ -332,6 +387,7 @@ JMP_MAPPINGS = {
 # Scales after each step of BATCHES (finite, finite, NaN, finite, inf, finite x 3).
 EXPECTED_SCALES = {
     "DynamicLossScale": [2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**15, 2.0**15],
+    "DynamicLossScale, never adjusted": [2.0**15] * 8,
     "StaticLossScale, skipping": [2.0**8] * 8,
     "StaticLossScale": [2.0**8] * 8,
     "NoOpLossScale, skipping": [1.0] * 8,
