@@ -522,6 +522,41 @@ def test_mpxs_scale_from_a_power_of_two_maps_to_one_capped_at_two_to_the_15():
     ] * 2
 
 
+def test_mpx_behaves_as_the_migration_page_says():
+    """mpx 0.1.8, as docs/migrating.md describes it: `filter_value_and_grad` casts every argument
+    to float16; for a float16 loss of 4 at a scale of 2**15 the loss value it returns is inf
+    while its gradients are right and the step is not skipped; `force_full_precision` returns
+    float16 by default; `cast_tree` leaves NumPy float64 arrays alone. The replacements: the
+    loss's own value, gradients times the scale, float32 from `full_precision`, a cast."""
+    seen = []
+
+    def loss_fn(w, x):
+        seen.append((w.dtype, x.dtype))
+        return jnp.sum(w.astype(jnp.float16) * x.astype(jnp.float16))
+
+    w, x = jnp.array([4.0, 8.0]), jnp.array([0.5, 0.25])  # loss 4, true gradients x
+    scaling = mpx.DynamicLossScaling(jnp.float32(2.0**15), jnp.ones(()))
+    value, scaling, grads_finite, grads = mpx.filter_value_and_grad(loss_fn, scaling)(w, x)
+    assert seen.pop() == (jnp.float16, jnp.float16)
+    assert bool(jnp.isinf(value))
+    np.testing.assert_array_equal(grads, [0.5, 0.25])
+    assert bool(grads_finite)
+    assert float(scaling.loss_scaling) == 2.0**15
+
+    opt_state = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(2.0**15)).init(w)
+    value, grads = jls.value_and_grad(loss_fn, opt_state)(w, x)
+    assert seen.pop() == (jnp.float32, jnp.float32)  # no cast: begin loss_fn with one
+    assert (value.dtype, float(value)) == (jnp.float16, 4.0)
+    np.testing.assert_array_equal(grads, [2.0**14, 2.0**13])
+
+    half = jnp.ones(2, jnp.float16)
+    assert mpx.force_full_precision(lambda a: a * 2)(half).dtype == jnp.float16
+    assert jls.full_precision(lambda a: a * 2)(half).dtype == jnp.float32
+    assert jls.full_precision(lambda a: a * 2, output_dtype=jnp.float16)(half).dtype == jnp.float16
+    assert mpx.cast_tree(np.ones(2), jnp.float16).dtype == np.float64
+    assert jls.cast_tree(np.ones(2), jnp.float16).dtype == np.float16
+
+
 # --- flax's DynamicScale ----------------------------------------------------------------------
 
 
