@@ -234,6 +234,54 @@ def test_jmp_habit_checks_leave_subclasses_and_copies_alone():
         _ = ls.x
 
 
+def test_ls_scale_takes_the_current_state_from_opt_state_not_a_fresh_init():
+    """The row for jmp's `loss_scale.scale(loss)`: `ls.scale(state, loss)` with the state from
+    `opt_state` gives the true step; with `ls.init()`, after one back-off, the loss is scaled by
+    2**15 while `tx.update` unscales by 2**14: every update is twice too large."""
+    ls = jls.DynamicLossScale(2.0**15)
+    tx = jls.loss_scaled(optax.sgd(1.0), ls)
+    params = {"w": jnp.ones(2)}
+    _, opt_state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
+    assert float(jls.get_loss_scale(opt_state)) == 2.0**14
+
+    def scaled_grads(state):
+        return jax.grad(lambda p: ls.scale(state, jnp.sum(p["w"])))(params)
+
+    current, _ = tx.update(scaled_grads(opt_state.loss_scale_state), opt_state, params)
+    fresh, _ = tx.update(scaled_grads(ls.init()), opt_state, params)
+    np.testing.assert_array_equal(current["w"], [-1.0, -1.0])
+    np.testing.assert_array_equal(fresh["w"], [-2.0, -2.0])
+
+
+def test_a_jls_policy_does_what_haikus_set_policy_asks_of_a_jmp_policy():
+    """`hk.mixed_precision.set_policy(cls, policy)` (haiku 0.0.17, not a dependency here) reads
+    `policy.param_dtype` to create parameters, and calls `policy.cast_to_compute` on a module's
+    `(args, kwargs)` and on each parameter it reads, and `policy.cast_to_output` on its output.
+    A jls `Policy` answers each as jmp's does: same dtypes, same values."""
+    spec = "params=float32,compute=float16,output=float32"
+    ours, theirs = jls.get_policy(spec), jmp.get_policy(spec)
+    assert ours.param_dtype == theirs.param_dtype == jnp.float32
+    args_kwargs = (
+        (jnp.full((2, 3), 1.5), np.full(2, 0.25), jnp.arange(3)),
+        {"is_training": True, "rate": 0.1, "mask": jnp.ones(2, jnp.bool_)},
+    )
+    parameter = jnp.full((3,), 2.5, jnp.float32)
+    output = {"logits": jnp.full((2,), 3.5, jnp.float16), "state": jnp.int32(4)}
+    for cast, tree in [
+        ("cast_to_compute", args_kwargs),
+        ("cast_to_compute", parameter),
+        ("cast_to_output", output),
+    ]:
+        got, want = getattr(ours, cast)(tree), getattr(theirs, cast)(tree)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert type(a) is type(b) or isinstance(a, jax.Array | np.generic), (a, b)
+            assert np.asarray(a).dtype == np.asarray(b).dtype, (cast, a, b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ours.cast_to_compute(parameter).dtype == jnp.float16
+    assert ours.cast_to_output(output)["logits"].dtype == jnp.float32
+
+
 # --- jmp's loss scales --------------------------------------------------------------------------
 
 
@@ -251,14 +299,16 @@ PARAMS = {"w": jnp.array([1.0, -2.0, 0.25])}
 def jmp_run(inner, loss_scale, skip, batches=BATCHES, params=PARAMS, opt_state=None):
     """jmp's train step as its README and the haiku ImageNet example write it, eagerly (a jmp
     loss scale cannot be a jit argument on current JAX): `(params, scale, skipped)` per step,
-    and the final `(params, opt_state, loss_scale)`."""
+    and the final `(params, opt_state, loss_scale)`. As in the haiku example, a step that does
+    not skip does not adjust the scale either (`--mp_skip_nonfinite` guards both)."""
     opt_state = inner.init(params) if opt_state is None else opt_state
     trace = []
     for x in batches:
         grads = jax.grad(lambda p, x=x, ls=loss_scale: ls.scale(loss(p, x)))(params)
         grads = loss_scale.unscale(grads)
         grads_finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(grads_finite)
+        if skip:
+            loss_scale = loss_scale.adjust(grads_finite)
         updates, new_opt_state = inner.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if skip:
@@ -311,6 +361,11 @@ JMP_MAPPINGS = {
             initial_loss_scale=2.0**15, increment_period=2, multiplier=2.0
         ),
     ),
+    "DynamicLossScale, never adjusted": (
+        lambda: jmp.DynamicLossScale(jnp.float32(2.0**15), period=2, factor=2),
+        False,
+        lambda: jls.FixedLossScale(2.0**15),
+    ),
     "StaticLossScale, skipping": (
         lambda: jmp.StaticLossScale(jnp.float32(2.0**8)),
         True,
@@ -332,6 +387,7 @@ JMP_MAPPINGS = {
 # Scales after each step of BATCHES (finite, finite, NaN, finite, inf, finite x 3).
 EXPECTED_SCALES = {
     "DynamicLossScale": [2.0**15, 2.0**16, 2.0**15, 2.0**15, 2.0**14, 2.0**14, 2.0**15, 2.0**15],
+    "DynamicLossScale, never adjusted": [2.0**15] * 8,
     "StaticLossScale, skipping": [2.0**8] * 8,
     "StaticLossScale": [2.0**8] * 8,
     "NoOpLossScale, skipping": [1.0] * 8,
@@ -464,6 +520,41 @@ def test_mpxs_scale_from_a_power_of_two_maps_to_one_capped_at_two_to_the_15():
     assert [scale for _, scale, _ in ours] == [2.0**15] * 2 + [2.0**14] * 2 + [2.0**13] * 2 + [
         2.0**14
     ] * 2
+
+
+def test_mpx_behaves_as_the_migration_page_says():
+    """mpx 0.1.8, as docs/migrating.md describes it: `filter_value_and_grad` casts every argument
+    to float16; for a float16 loss of 4 at a scale of 2**15 the loss value it returns is inf
+    while its gradients are right and the step is not skipped; `force_full_precision` returns
+    float16 by default; `cast_tree` leaves NumPy float64 arrays alone. The replacements: the
+    loss's own value, gradients times the scale, float32 from `full_precision`, a cast."""
+    seen = []
+
+    def loss_fn(w, x):
+        seen.append((w.dtype, x.dtype))
+        return jnp.sum(w.astype(jnp.float16) * x.astype(jnp.float16))
+
+    w, x = jnp.array([4.0, 8.0]), jnp.array([0.5, 0.25])  # loss 4, true gradients x
+    scaling = mpx.DynamicLossScaling(jnp.float32(2.0**15), jnp.ones(()))
+    value, scaling, grads_finite, grads = mpx.filter_value_and_grad(loss_fn, scaling)(w, x)
+    assert seen.pop() == (jnp.float16, jnp.float16)
+    assert bool(jnp.isinf(value))
+    np.testing.assert_array_equal(grads, [0.5, 0.25])
+    assert bool(grads_finite)
+    assert float(scaling.loss_scaling) == 2.0**15
+
+    opt_state = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(2.0**15)).init(w)
+    value, grads = jls.value_and_grad(loss_fn, opt_state)(w, x)
+    assert seen.pop() == (jnp.float32, jnp.float32)  # no cast: begin loss_fn with one
+    assert (value.dtype, float(value)) == (jnp.float16, 4.0)
+    np.testing.assert_array_equal(grads, [2.0**14, 2.0**13])
+
+    half = jnp.ones(2, jnp.float16)
+    assert mpx.force_full_precision(lambda a: a * 2)(half).dtype == jnp.float16
+    assert jls.full_precision(lambda a: a * 2)(half).dtype == jnp.float32
+    assert jls.full_precision(lambda a: a * 2, output_dtype=jnp.float16)(half).dtype == jnp.float16
+    assert mpx.cast_tree(np.ones(2), jnp.float16).dtype == np.float64
+    assert jls.cast_tree(np.ones(2), jnp.float16).dtype == np.float16
 
 
 # --- flax's DynamicScale ----------------------------------------------------------------------
