@@ -254,7 +254,7 @@ def test_ls_scale_takes_the_current_state_from_opt_state_not_a_fresh_init():
 
 
 def test_a_jls_policy_does_what_haikus_set_policy_asks_of_a_jmp_policy():
-    """`hk.mixed_precision.set_policy(cls, policy)` (haiku 0.0.17, not a dependency here) reads
+    """`hk.mixed_precision.set_policy(cls, policy)` reads
     `policy.param_dtype` to create parameters, and calls `policy.cast_to_compute` on a module's
     `(args, kwargs)` and on each parameter it reads, and `policy.cast_to_output` on its output.
     A jls `Policy` answers each as jmp's does: same dtypes, same values."""
@@ -280,6 +280,35 @@ def test_a_jls_policy_does_what_haikus_set_policy_asks_of_a_jmp_policy():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert ours.cast_to_compute(parameter).dtype == jnp.float16
     assert ours.cast_to_output(output)["logits"].dtype == jnp.float32
+
+
+def test_haikus_set_policy_takes_a_jls_policy():
+    """`hk.mixed_precision.set_policy` with a jls `Policy`: float32 params, a float16 matmul
+    inside, a float32 output, and the values of the same module under jmp's policy."""
+    import haiku as hk
+
+    spec = "params=float32,compute=float16,output=float32"
+    x = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3)
+    results = []
+    for policy in (jls.get_policy(spec), jmp.get_policy(spec)):
+
+        def forward(x):
+            return hk.Linear(4)(x)
+
+        hk.mixed_precision.set_policy(hk.Linear, policy)
+        try:
+            model = hk.transform(forward)
+            params = model.init(jax.random.key(0), x)
+            out = model.apply(params, None, x)
+            jaxpr = jax.make_jaxpr(model.apply)(params, None, x)
+        finally:
+            hk.mixed_precision.clear_policy(hk.Linear)
+        assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+        assert out.dtype == jnp.float32
+        (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert [v.aval.dtype for v in dot.invars] == [jnp.float16, jnp.float16]
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 # --- jmp's loss scales --------------------------------------------------------------------------
