@@ -338,3 +338,36 @@ def test_spmd_jit_with_a_sharded_batch_equals_one_device():
     expected, _ = _single_device_reference(X, Y)
     chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
     assert float(_layer(got)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
+
+
+E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)
+
+
+def _saturation(grads):
+    """Per layer, this step's output-gradient amax over the most its fp8 scale holds."""
+    ratios = []
+    for name in ("Dense_0", "Dense_1"):
+        layer = _layer(grads, name)
+        limit = layer["output_grad_scale"][0] * E5M2_MAX
+        ratios.append(float(layer["output_grad_amax_history"][0] / limit))
+    return ratios
+
+
+def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
+    tx = _tx(loss_scale=jls.DynamicLossScale(SCALE, increment_period=1))
+    followed, followed_state = _whole_tree_step(tx)(VARIABLES, tx.init(VARIABLES), X, Y)
+    plain, plain_state = _train_state_step(tx)(VARIABLES, tx.init(VARIABLES), X, Y)
+    assert float(jls.get_loss_scale(followed_state)) == 2 * SCALE
+    layer = _layer(followed)
+    assert float(_layer(plain)["output_grad_amax_history"][0]) == 36.0
+    assert float(layer["output_grad_amax_history"][0]) == 72.0  # the amax at the new scale
+    assert float(layer["output_grad_scale"][0]) == 2.0
+    assert float(layer["input_amax_history"][0]) == np.float32(INPUT_AMAX)  # forward: as it was
+    # The step after the growth: its gradients are twice as large. Where the history did not
+    # follow, their largest entries are clipped to about half their value (the first layer sees
+    # the second's clipped gradients); where it did, only by
+    # what the step itself changed (flax's scales keep no margin).
+    _, grads = jls.value_and_grad(_loss, followed_state)(followed, X, Y)
+    _, plain_grads = jls.value_and_grad(_loss, plain_state)(plain, X, Y)
+    np.testing.assert_allclose(_saturation(grads), [1.0417507, 0.9851083], rtol=1e-5)
+    np.testing.assert_allclose(_saturation(plain_grads), [1.458451, 1.9702165], rtol=1e-5)
