@@ -21,6 +21,16 @@ from jax_lossscale._types import AxisName, PyTree
 # (a test checks that the two agree; flax is not imported at run time).
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
+# The names flax gives the meta state of the output gradient (in Fp8DotGeneralOp,
+# Fp8DirectDotGeneralOp and Fp8Einsum alike): the amaxes of the gradients of the *scaled*
+# loss, which follow the loss scale when it grows.
+GRADIENT_SIDE_NAMES = frozenset({"output_grad_amax_history", "output_grad_scale"})
+
+
+def _gradient_side(path: tuple[Any, ...]) -> bool:
+    key = path[-1] if path else None
+    return isinstance(key, jax.tree_util.DictKey) and key.key in GRADIENT_SIDE_NAMES
+
 
 def _under_collection(path: tuple[Any, ...], leaf: Any) -> bool:
     """The default: a leaf under a dict key equal to flax's collection name."""
@@ -94,7 +104,8 @@ class MetaLeaves:
         self, updates: PyTree, params: PyTree, axis_name: AxisName | None
     ) -> tuple[PyTree, PyTree, "MetaStep"]:
         """The gradients and params with None for their meta leaves, and the meta step."""
-        leaves, structure = jax.tree.flatten(updates)
+        with_paths, structure = jax.tree_util.tree_flatten_with_path(updates)
+        leaves = [leaf for _, leaf in with_paths]
         flags = self.flags(updates, "gradients")
         if not any(flags):
             return updates, params, MetaStep()
@@ -120,7 +131,10 @@ class MetaLeaves:
         )
         new = [leaf for leaf, flag in zip(leaves, flags, strict=True) if flag]
         old = [leaf for leaf, flag in zip(old_leaves, flags, strict=True) if flag]
-        return grads, kept_params, MetaStep(structure, flags, new, old, axis_name)
+        follows = [
+            _gradient_side(path) for (path, _), flag in zip(with_paths, flags, strict=True) if flag
+        ]
+        return grads, kept_params, MetaStep(structure, flags, new, old, axis_name, follows)
 
 
 class MetaStep:
@@ -135,11 +149,13 @@ class MetaStep:
         new: list[jax.Array] | None = None,
         old: list[jax.Array] | None = None,
         axis_name: AxisName | None = None,
+        follows: list[bool] | None = None,
     ) -> None:
         self._structure = structure
         self._flags = flags or []
         self._local = new or []
         self._old = old or []
+        self._follows = follows or []
         self.finite: jax.Array | None = None
         self.has_nan: jax.Array | None = None
         if not self._local:
@@ -178,14 +194,26 @@ class MetaStep:
         """`apply`, false where a new meta value is not finite, under every loss scale."""
         return apply if self.finite is None else apply & self.finite
 
-    def merged(self, updates: PyTree, apply: jax.Array) -> PyTree:
-        """The inner updates with, at the meta leaves, `new - old` where `apply`, else -0.0."""
+    def merged(self, updates: PyTree, apply: jax.Array, scale_ratio: jax.Array) -> PyTree:
+        """The inner updates with, at the meta leaves, `new - old` where `apply`, else -0.0.
+
+        On an applied step, the output gradients' amax histories and scales are
+        multiplied by `scale_ratio` (the new loss scale over the old): when the scale
+        grows, the next step's gradients grow with it, and the fp8 scale computed from
+        the history must not clip them (docs/integrations.md measures it).
+        """
         if not self._local:
             return updates
+
+        def meta_update(new: jax.Array, old: jax.Array, follows: bool) -> jax.Array:
+            if follows and jnp.issubdtype(new.dtype, jnp.floating):
+                new = (new * scale_ratio).astype(new.dtype)
+            return jnp.where(apply, new - old, jnp.full_like(old, -0.0)).astype(old.dtype)
+
         inner_leaves = iter(jax.tree.leaves(updates))
         meta_updates = iter(
-            jnp.where(apply, new - old, jnp.full_like(old, -0.0)).astype(jnp.result_type(old))
-            for new, old in zip(self._new, self._old, strict=True)
+            meta_update(new, old, follows)
+            for new, old, follows in zip(self._new, self._old, self._follows, strict=True)
         )
         leaves = [next(meta_updates) if flag else next(inner_leaves) for flag in self._flags]
         return jax.tree.unflatten(self._structure, leaves)

@@ -166,7 +166,9 @@ def loss_scaled(
         new_updates, inner_state = apply_or_skip(
             apply, inner_update, state.inner_state, select=select
         )
-        new_updates = meta.merged(new_updates, apply)
+        new_updates = meta.merged(
+            new_updates, apply, loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state)
+        )
         stats = next_stats(
             state.stats,
             grad_norm=grad_norm,
