@@ -117,13 +117,17 @@ def check_not_stuck(
 
     A run whose gradients are non-finite whatever the scale (a NaN or inf in the forward
     pass, a loss that overflows float16 by itself) skips every step at `min_loss_scale`
-    and its params stop changing. Call this on the host between steps, where you log:
-    it reads the stats that `tx.update` returns and adds nothing to the jitted step.
+    and its params stop changing. A run can stall on spikes too, its gradients finite:
+    a norm above `skip_grad_norm_above` at every step, or a norm or loss (`value=`) that
+    is not finite; the message tells the two kinds apart and advises for each. Call this
+    on the host between steps, where you log: it reads the stats that `tx.update` returns
+    and adds nothing to the jitted step.
 
     Args:
       opt_state: the optax state (or flax nnx `Optimizer`) holding a `LossScaledState`,
         replicated for `pmap` or not.
-      max_consecutive_skips: how many skipped steps in a row make a run stuck, >= 1.
+      max_consecutive_skips: how many skipped steps in a row make a run stuck, >= 1: a
+        Python int or a concrete integer array of shape () (`jnp.int32(5)`).
       non_finite_counts: optionally, `count_non_finite` of the last step's gradients,
         returned by the step; the message then names the leaves that overflowed.
       on_stuck: `"raise"` a `LossScaleStuckError`, or `"warn"` (a `RuntimeWarning`) and
@@ -149,7 +153,7 @@ def check_not_stuck(
       jax_lossscale.LossScaleStuckError: loss_scaled is stuck: 3 steps in a row were skipped, ...
     """
     owner = "check_not_stuck"
-    max_consecutive_skips = _checks.integer(owner, "max_consecutive_skips", max_consecutive_skips)
+    max_consecutive_skips = _count(owner, "max_consecutive_skips", max_consecutive_skips)
     if on_stuck not in ("raise", "warn"):
         _checks.fail(owner, "on_stuck", on_stuck, "'raise' or 'warn'")
     stats = get_loss_scale_stats(opt_state)
@@ -172,12 +176,52 @@ def check_not_stuck(
         paths = non_finite_paths(non_finite_counts)
         named = ", ".join(f"{path}: {count} entries" for path, count in paths.items())
         message += f"; the last step's gradients held NaN or inf in {named or 'no leaf'}"
-    message += (
-        "; they are not finite whatever the scale: find the op that overflows "
-        "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and compute "
-        "it in float32, lower the learning rate, or restore a checkpoint from before"
-    )
+    norms = np.asarray(jax.device_get(stats.grad_norm))
+    overflows = counts["NaN"] + counts["inf"]
+    if counts["spike"] >= skipped and (np.all(np.isfinite(norms)) or overflows < skipped):
+        message += (
+            "; they were skipped as spikes, with finite gradients and a last grad_norm of "
+            f"{float(np.max(norms))!r}; a norm above skip_grad_norm_above at every step is a new "
+            "level, not a bad batch: raise the bound, or leave the judging to skip_spike_sigmas, "
+            "whose window follows a new level after spike_window // 4 spikes in a row; a norm, or "
+            "a loss given as value=, that is not finite is a spike at every step: find the op "
+            "that makes it with jax_debug_nans on the forward pass"
+        )
+    else:
+        message += (
+            "; they are not finite whatever the scale: find the op that overflows "
+            "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and "
+            "compute it in float32, lower the learning rate, or restore a checkpoint from before"
+        )
     if on_stuck == "raise":
         raise LossScaleStuckError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     return message
+
+
+def _count(owner: str, name: str, value: Any) -> int:
+    """An integer >= 1 given as a Python int or as a concrete integer array of shape ()."""
+    if isinstance(value, jax.core.Tracer):
+        _checks.fail(
+            owner,
+            name,
+            value,
+            "a concrete integer, not a traced value: call "
+            f"{owner} on the host, outside jit, between steps",
+            TypeError,
+        )
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        if value.shape != () or not np.issubdtype(value.dtype, np.integer):
+            _checks.fail(
+                owner,
+                name,
+                value,
+                "an integer >= 1 (a Python int, or an integer array of "
+                f"shape ()), got an array of dtype {value.dtype} and shape {value.shape}",
+                TypeError,
+            )
+        number = int(value)
+        if not 1 <= number <= INT32_MAX:
+            _checks.fail(owner, name, value, f"an integer >= 1 and <= {INT32_MAX}")
+        return number
+    return _checks.integer(owner, name, value)

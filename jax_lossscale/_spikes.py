@@ -24,8 +24,8 @@ class RecentValues(NamedTuple):
 class SpikeWindows(NamedTuple):
     """The windows `loss_scaled(..., skip_spike_sigmas=...)` tests spikes against."""
 
-    grad_norm: RecentValues
-    loss: RecentValues  # filled only by steps given `value=`
+    recent_grad_norms: RecentValues
+    recent_losses: RecentValues  # filled only by steps given `value=`
     # int32: finite steps in a row above a full window (skipped, or applied to re-baseline)
     spikes_in_a_row: jax.Array
 
@@ -83,7 +83,9 @@ class SpikeRule:
             )
 
         return SpikeWindows(
-            grad_norm=empty(), loss=empty(), spikes_in_a_row=jnp.zeros([], jnp.int32)
+            recent_grad_norms=empty(),
+            recent_losses=empty(),
+            spikes_in_a_row=jnp.zeros([], jnp.int32),
         )
 
     def loss(self, value: Any) -> jax.Array | None:
@@ -123,10 +125,10 @@ class SpikeRule:
         """Whether the step's values are finite, and whether one is above its full window."""
         assert self.sigmas is not None  # windows are kept only with sigmas
         finite = jnp.isfinite(grad_norm)
-        above = _above(grad_norm, windows.grad_norm, self.sigmas)
+        above = _above(grad_norm, windows.recent_grad_norms, self.sigmas)
         if loss is not None:
             finite &= jnp.isfinite(loss)
-            above |= _above(loss, windows.loss, self.sigmas)
+            above |= _above(loss, windows.recent_losses, self.sigmas)
         return finite, above
 
     def record(
@@ -144,8 +146,12 @@ class SpikeRule:
         count = windows.spikes_in_a_row
         count = jnp.where(above, count + (count < INT32_MAX).astype(jnp.int32), 0)
         return SpikeWindows(
-            grad_norm=_recorded(windows.grad_norm, grad_norm, applied),
-            loss=windows.loss if loss is None else _recorded(windows.loss, loss, applied),
+            recent_grad_norms=_recorded(windows.recent_grad_norms, grad_norm, applied),
+            recent_losses=(
+                windows.recent_losses
+                if loss is None
+                else _recorded(windows.recent_losses, loss, applied)
+            ),
             spikes_in_a_row=jnp.where(finite, count, windows.spikes_in_a_row),
         )
 
@@ -195,7 +201,7 @@ class SpikeRule:
             )
 
 
-_WINDOW_FIELDS = ("grad_norm", "loss")  # the RecentValues fields of SpikeWindows
+_WINDOW_FIELDS = ("recent_grad_norms", "recent_losses")  # the RecentValues fields of SpikeWindows
 
 
 def _above(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:

@@ -6,6 +6,7 @@ hold inf or NaN, with a `DynamicLossScale(2**10, increment_period=4, hysteresis=
 
 import json
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -569,3 +570,51 @@ def test_leaving_loss_scaling_keeps_the_optimizer_state_of_the_applied_steps(tmp
     assert [int(count) for count in counts] == [STEPS - len(NON_FINITE)] * EXPECTED_COUNTS[
         inner_name
     ]
+
+
+class _EarlierSpikeWindows(NamedTuple):
+    """The spike windows' layout before their fields were renamed (and the count of spikes in
+    a row added): `grad_norm` shared its name with the stat, which `optax.tree_utils.tree_get`
+    could then not find."""
+
+    grad_norm: Any
+    loss: Any
+
+
+def test_a_checkpoint_of_the_earlier_spike_window_layout_restores_and_resumes(tmp_path):
+    """docs/checkpoints.md: restored onto a target with the windows' earlier names, the windows
+    go into a fresh state's, and the run continues bit for bit."""
+    tx = jls.loss_scaled(optax.adam(0.1), _loss_scale(), skip_spike_sigmas=1.0, spike_window=3)
+    step, _ = _jitted_step(tx)
+    params = _initial_params()
+    final_params, final_state, _ = _run(step, params, tx.init(params), range(STEPS))
+    stats = jls.get_loss_scale_stats(final_state)
+    assert (int(stats.spike_skipped_steps), int(stats.inf_skipped_steps)) == (1, 3)
+
+    saved_params, saved_state, _ = _run(step, params, tx.init(params), range(8))
+    windows = saved_state.spike_windows
+    assert int(jls.get_loss_scale_stats(saved_state).spike_skipped_steps) == 1
+    assert int(windows.spikes_in_a_row) == 0
+    assert int(windows.recent_grad_norms.filled) == 3
+    earlier = saved_state._replace(
+        spike_windows=_EarlierSpikeWindows(windows.recent_grad_norms, windows.recent_losses)
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "earlier", {"params": saved_params, "opt_state": earlier})
+        checkpointer.wait_until_finished()
+        target = jax.eval_shape(tx.init, params)
+        with pytest.raises(ValueError, match="recent_grad_norms"):  # the new target: refused
+            checkpointer.restore(tmp_path / "earlier", {"params": params, "opt_state": target})
+        renamed = {
+            "grad_norm": target.spike_windows.recent_grad_norms,
+            "loss": target.spike_windows.recent_losses,
+        }
+        target = {"params": params, "opt_state": target._replace(spike_windows=renamed)}
+        restored = checkpointer.restore(tmp_path / "earlier", target)
+    old = restored["opt_state"].spike_windows
+    fresh = tx.init(params).spike_windows
+    windows = fresh._replace(recent_grad_norms=old["grad_norm"], recent_losses=old["loss"])
+    resumed_state = restored["opt_state"]._replace(spike_windows=windows)
+    _assert_bitwise_equal((restored["params"], resumed_state), (saved_params, saved_state))
+    resumed = _run(step, restored["params"], resumed_state, range(8, STEPS))[:2]
+    _assert_bitwise_equal(resumed, (final_params, final_state))

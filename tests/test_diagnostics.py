@@ -299,3 +299,101 @@ def test_check_not_stuck_bad_input():
     )
     with pytest.raises(LookupError, match="holds no LossScaledState"):
         jls.check_not_stuck(optax.sgd(0.1).init({"w": jnp.zeros(2)}))
+
+
+_SPIKE_ADVICE = (
+    "; they were skipped as spikes, with finite gradients and a last grad_norm of 1.5; a norm "
+    "above skip_grad_norm_above at every step is a new level, not a bad batch: raise the bound, "
+    "or leave the judging to skip_spike_sigmas, whose window follows a new level after "
+    "spike_window // 4 spikes in a row; a norm, or a loss given as value=, that is not finite is "
+    "a spike at every step: find the op that makes it with jax_debug_nans on the forward pass"
+)
+
+
+def _norm_run(tx, norms):
+    """Steps whose true gradient is `[norm, 0]`, scaled by the state's scale."""
+    params = {"w": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    step = jax.jit(tx.update)
+    for norm in norms:
+        scale = jls.get_loss_scale(opt_state)
+        _, opt_state = step({"w": jnp.array([norm, 0.0]) * scale}, opt_state, params)
+    return opt_state
+
+
+def test_a_run_stalled_on_spikes_gets_advice_of_its_own():
+    """The norm moves from 1.0 to 1.5 for good, above skip_grad_norm_above=1.25: every step
+    is a spike, and the advice is not the overflow's."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.FixedLossScale(1.0), skip_grad_norm_above=1.25,
+        skip_spike_sigmas=4.0, spike_window=16,
+    )  # fmt: skip
+    opt_state = _norm_run(tx, [1.0] * 16 + [1.5] * 150)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 100)
+    assert str(excinfo.value) == (
+        "loss_scaled is stuck: 150 steps in a row were skipped, at least "
+        "max_consecutive_skips=100, at a loss scale of 1.0; skipped so far: 0 for NaN, 0 for "
+        "inf, 150 as spikes" + _SPIKE_ADVICE
+    )
+    assert "whatever the scale" not in str(excinfo.value)
+
+
+def test_the_window_alone_no_longer_stalls_but_its_spikes_are_named_as_such():
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.DynamicLossScale(2.0**4), skip_spike_sigmas=4.0, spike_window=16
+    )
+    assert jls.check_not_stuck(_norm_run(tx, [1.0] * 16 + [1.5] * 150), 100) is None
+    opt_state = _norm_run(tx, [1.0] * 16 + [1.5] * 4)  # the four spikes before the window follows
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 4)
+    assert str(excinfo.value) == (
+        "loss_scaled is stuck: 4 steps in a row were skipped, at least max_consecutive_skips=4, "
+        "at a loss scale of 16.0; skipped so far: 0 for NaN, 0 for inf, 4 as spikes" + _SPIKE_ADVICE
+    )
+
+
+@pytest.mark.parametrize(
+    "count",
+    [jnp.int32(5), np.int64(5), np.array(5, np.int16), jnp.array(5, jnp.uint8)],
+    ids=["jnp.int32", "np.int64", "np.ndarray", "uint8"],
+)
+def test_check_not_stuck_takes_a_concrete_integer_array_as_the_count(count):
+    opt_state, _ = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, count)
+    assert str(excinfo.value) == _STUCK_FIVE + _ADVICE
+    assert jls.check_not_stuck(opt_state, count + 1) is None
+
+
+def test_check_not_stuck_refuses_a_float_a_vector_or_a_traced_count_naming_it():
+    opt_state, _ = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
+    with pytest.raises(TypeError) as excinfo:
+        jls.check_not_stuck(opt_state, jnp.float32(5.0))
+    assert str(excinfo.value) == (
+        "check_not_stuck(max_consecutive_skips=Array(5., dtype=float32)): max_consecutive_skips "
+        "must be an integer >= 1 (a Python int, or an integer array of shape ()), got an array "
+        "of dtype float32 and shape ()"
+    )
+    with pytest.raises(TypeError, match=r"got an array of dtype int32 and shape \(1,\)$"):
+        jls.check_not_stuck(opt_state, jnp.array([5]))
+    with pytest.raises(TypeError, match=r"got an array of dtype bool and shape \(\)$"):
+        jls.check_not_stuck(opt_state, np.bool_(True))
+    with pytest.raises(ValueError, match="must be an integer >= 1") as excinfo:
+        jls.check_not_stuck(opt_state, jnp.int32(0))
+    assert str(excinfo.value) == (
+        "check_not_stuck(max_consecutive_skips=Array(0, dtype=int32)): max_consecutive_skips "
+        "must be an integer >= 1 and <= 2147483647"
+    )
+
+    @jax.jit
+    def traced(count):
+        jls.check_not_stuck(opt_state, count)
+
+    with pytest.raises(TypeError) as excinfo:
+        traced(jnp.int32(5))
+    assert str(excinfo.value) == (
+        "check_not_stuck(max_consecutive_skips=JitTracer(int32[])): max_consecutive_skips must "
+        "be a concrete integer, not a traced value: call check_not_stuck on the host, outside "
+        "jit, between steps"
+    )

@@ -105,3 +105,50 @@ def test_get_loss_scale_ambiguous(getter, build, paths):
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         getter(opt_state)
+
+
+def _named_tuple_fields(tree) -> list[str]:
+    """Every field name of every NamedTuple in `tree`, once per node."""
+    names = []
+
+    def visit(node):
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            names.extend(node._fields)
+            for child in node:
+                visit(child)
+        elif isinstance(node, tuple | list):
+            for child in node:
+                visit(child)
+
+    visit(tree)
+    return names
+
+
+def test_optax_tree_get_finds_the_one_grad_norm_with_spike_windows_on():
+    """optax's tree_get looks fields up by name: with spike windows on it found two
+    `grad_norm`s (the stat and the window) and raised "Found multiple values"."""
+    tx = optax.chain(
+        optax.identity(),
+        jls.loss_scaled(
+            optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=4.0),
+            skip_grad_norm_above=100.0, skip_spike_sigmas=3.0, spike_window=4,
+        ),
+    )  # fmt: skip
+    params = {"w": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    _, opt_state = tx.update({"w": jnp.array([12.0, 16.0])}, opt_state, params, value=2.0)
+    grad_norm = optax.tree_utils.tree_get(opt_state, "grad_norm")
+    chex.assert_trees_all_equal(grad_norm, jnp.float32(5.0), strict=True)
+    assert grad_norm is opt_state[1].stats.grad_norm
+    windows = optax.tree_utils.tree_get(opt_state, "recent_grad_norms")
+    assert windows.values.tolist() == [5.0, 0.0, 0.0, 0.0]
+    losses = optax.tree_utils.tree_get(opt_state, "recent_losses")
+    assert losses.values.tolist() == [2.0, 0.0, 0.0, 0.0]
+    # No two fields of the wrapper's state share a name that a lookup by name would mix up
+    # (RecentValues' own fields repeat, once per window).
+    names = [
+        name
+        for name in _named_tuple_fields(opt_state[1])
+        if name not in ("values", "filled", "next_index")
+    ]
+    assert len(names) == len(set(names)), sorted(names)

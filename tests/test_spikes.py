@@ -252,8 +252,8 @@ def test_a_norm_spike_against_a_full_window_is_skipped():
     assert [norm for norm, _ in record] == norms
     stats = jls.get_loss_scale_stats(opt_state)
     assert (int(stats.skipped_steps), int(stats.spike_skipped_steps)) == (1, 1)
-    assert _window_in_order(opt_state.spike_windows.grad_norm) == [2.0, 2.0, 100.0, 4.0]
-    assert int(opt_state.spike_windows.loss.filled) == 0  # no value= given
+    assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == [2.0, 2.0, 100.0, 4.0]
+    assert int(opt_state.spike_windows.recent_losses.filled) == 0  # no value= given
 
 
 def test_the_window_fills_with_applied_steps_only():
@@ -267,7 +267,7 @@ def test_the_window_fills_with_applied_steps_only():
     # inf and NaN overflow, 60 is above the bound; against [1, 2, 3] (mean 2, std 0.82)
     # 3 is within 2 sigmas, against [2, 3, 3] (mean 2.67, std 0.47) 9 is not.
     assert applied == [True, False, True, False, False, True, True, False, True]
-    assert _window_in_order(opt_state.spike_windows.grad_norm) == [3.0, 3.0, 2.5]
+    assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == [3.0, 3.0, 2.5]
     stats = jls.get_loss_scale_stats(opt_state)
     counts = (
         stats.skipped_steps,
@@ -295,7 +295,7 @@ def test_a_lasting_rise_of_the_norm_re_baselines_the_window_and_training_goes_on
     assert applied[:5] == [False, False, False, False, True]
     stats = jls.get_loss_scale_stats(opt_state)
     assert (int(stats.spike_skipped_steps), int(stats.consecutive_skipped_steps)) == (4, 0)
-    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.5] * 16
+    assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == [1.5] * 16
     assert int(opt_state.spike_windows.spikes_in_a_row) == 0
     # Re-baselining: the fifth step was applied though above [1.0] * 16 (it enters the
     # window), the sixth is within [1.0] * 15 + [1.5] (mean 1.03, std 0.12) and ends it.
@@ -314,7 +314,7 @@ def test_after_a_window_of_zero_gradients_training_goes_on():
     assert all(applied[:16])
     assert sum(applied[16:]) == 28  # was 0 of 32
     assert applied[16:22] == [False, False, False, False, True, True]
-    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.0] * 16
+    assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == [1.0] * 16
     assert int(jls.get_loss_scale_stats(opt_state).spike_skipped_steps) == 4
 
 
@@ -357,8 +357,8 @@ def test_a_loss_spike_given_as_value_is_skipped_and_a_nan_loss_too():
     opt_state, record = _norm_steps(tx, norms, values=losses)
     # [2, 2.5]: mean 2.25, std 0.25, bound 3: 10 is a spike; [2.5, 2.25] then: NaN is one too.
     assert [applied for _, applied in record] == [True, True, False, True, False, True, True]
-    assert _window_in_order(opt_state.spike_windows.loss) == [2.5, 2.0]
-    assert _window_in_order(opt_state.spike_windows.grad_norm) == [1.0, 1.0]
+    assert _window_in_order(opt_state.spike_windows.recent_losses) == [2.5, 2.0]
+    assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == [1.0, 1.0]
     assert int(jls.get_loss_scale_stats(opt_state).spike_skipped_steps) == 2
 
 
@@ -376,7 +376,7 @@ def test_value_reaches_the_inner_transformation_too():
         _, bare_state = bare.update(grads, bare_state, params, value=loss)
     assert bare_state[1].scale == np.float32(0.1) * np.float32(0.1)  # no improvement: cut twice
     chex.assert_trees_all_equal(opt_state.inner_state, bare_state)
-    assert int(opt_state.spike_windows.loss.filled) == 3
+    assert int(opt_state.spike_windows.recent_losses.filled) == 3
 
 
 def _spike_run(inner, steps):
@@ -441,7 +441,7 @@ def test_spike_skipping_under_pmap_every_device_agrees():
         assert len(set(flags.tolist())) == 1  # all devices agree
         applied.append(bool(flags[0]))
     assert applied == [True, True, False, True]
-    window = jax.tree.map(lambda x: x[3], opt_state.spike_windows.loss)
+    window = jax.tree.map(lambda x: x[3], opt_state.spike_windows.recent_losses)
     np.testing.assert_allclose(_window_in_order(window), [1.25, 1.0], rtol=1e-6)
 
 
@@ -461,7 +461,9 @@ def test_without_spike_skipping_the_state_holds_no_window():
     empty = RecentValues(
         values=np.zeros(128, np.float32), filled=np.int32(0), next_index=np.int32(0)
     )
-    expected = SpikeWindows(grad_norm=empty, loss=empty, spikes_in_a_row=np.int32(0))
+    expected = SpikeWindows(
+        recent_grad_norms=empty, recent_losses=empty, spikes_in_a_row=np.int32(0)
+    )
     chex.assert_trees_all_equal(windows, expected, strict=True)
 
 
@@ -522,7 +524,7 @@ def test_a_run_resumed_mid_window_continues_bit_identically(tmp_path):
 
     final = run(params, tx.init(params), range(12))
     saved = run(params, tx.init(params), range(5))
-    assert int(saved[1].spike_windows.grad_norm.filled) == 3
+    assert int(saved[1].spike_windows.recent_grad_norms.filled) == 3
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", saved)
         checkpointer.wait_until_finished()
@@ -625,8 +627,8 @@ def test_the_wrapper_follows_the_model(bound, sigmas, window, with_loss, steps):
         if kind == "finite":
             assert float(stats.grad_norm) == norm
         if sigmas is not None:
-            assert _window_in_order(opt_state.spike_windows.grad_norm) == list(model.norms)
-            assert _window_in_order(opt_state.spike_windows.loss) == list(model.losses)
+            assert _window_in_order(opt_state.spike_windows.recent_grad_norms) == list(model.norms)
+            assert _window_in_order(opt_state.spike_windows.recent_losses) == list(model.losses)
             assert int(opt_state.spike_windows.spikes_in_a_row) == model.in_a_row
     # The loss scale counts spikes as finite steps: it grew every second finite step.
     kinds = [kind == "finite" for kind, _, _ in steps]
@@ -745,9 +747,9 @@ def test_a_state_without_windows_or_with_other_windows_is_refused():
     with pytest.raises(
         ValueError,
         match=exact(
-            "loss_scaled.update: state.spike_windows.grad_norm.values has shape (16,), but this "
-            "loss_scaled has spike_window=128; pass the state returned by this transformation's "
-            "init()"
+            "loss_scaled.update: state.spike_windows.recent_grad_norms.values has shape (16,), "
+            "but this loss_scaled has spike_window=128; pass the state returned by this "
+            "transformation's init()"
         ),
     ):
         spiky.update(params, short.init(params), params)
