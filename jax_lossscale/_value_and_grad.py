@@ -88,6 +88,14 @@ def value_and_grad(
 
         def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
+            if has_aux and not (isinstance(output, list | tuple) and len(output) == 2):
+                # jax.value_and_grad's check and message; unpacked, a length-2 array would
+                # give the gradient of its first element.
+                raise TypeError(
+                    "value_and_grad(has_aux=True): expected function with aux output to return "
+                    f"a two-element tuple, but got type {type(output)} with value "
+                    f"{describe(output)}"
+                )
             value, aux = output if has_aux else (output, None)
             if not (
                 isinstance(value, jax.Array | np.ndarray | np.generic)

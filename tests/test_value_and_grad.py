@@ -396,6 +396,52 @@ def test_has_aux_returns_value_and_aux_untouched():
     assert_bits_equal(grads, expected)
 
 
+@pytest.mark.parametrize(
+    ("output", "shown"),
+    [
+        (
+            lambda p: p * 2,
+            "type <class 'jax._src.interpreters.ad.LinearizeTracer'> with value "
+            "GradTracer(primal=[2. 4.], typeof(tangent)=f32[2])",
+        ),
+        (
+            lambda p: jnp.sum(p),
+            "type <class 'jax._src.interpreters.ad.LinearizeTracer'> with value "
+            "GradTracer(primal=3.0, typeof(tangent)=f32[])",
+        ),
+        (
+            lambda p: (jnp.float32(1.0), 2, 3),
+            "type <class 'tuple'> with value (Array(1., dtype=float32), 2, 3)",
+        ),
+        (lambda p: {"loss": 1.0}, "type <class 'dict'> with value {'loss': 1.0}"),
+    ],
+    ids=["length_2_array", "scalar", "3_tuple", "dict"],
+)
+def test_has_aux_output_is_checked_as_jax_checks_it(output, shown):
+    """A length-2 array was unpacked as (value, aux): the gradients of its first element. A
+    scalar, a 3-tuple or a dict gave Python's unpacking errors. jax.value_and_grad raises a
+    TypeError for each, and so does this, with jax's message, naming has_aux."""
+    params = jnp.array([1.0, 2.0], F32)
+    with pytest.raises(TypeError, match="two-element tuple"):
+        jax.value_and_grad(output, has_aux=True)(params)
+    message = (
+        "value_and_grad(has_aux=True): expected function with aux output to return a "
+        f"two-element tuple, but got {shown}"
+    )
+    with pytest.raises(TypeError) as info:
+        jls.value_and_grad(output, jnp.float32(8.0), has_aux=True)(params)
+    assert str(info.value) == message  # jax adds a note on its frames
+
+
+def test_has_aux_accepts_a_list_of_two_as_jax_does():
+    params = jnp.array([1.0, 2.0], F32)
+    (value, aux), grads = jls.value_and_grad(
+        lambda p: [jnp.sum(p), "aux"], jnp.float32(8.0), has_aux=True
+    )(params)
+    assert (float(value), aux) == (3.0, "aux")
+    assert_bits_equal(grads, jnp.full(2, 8.0, F32))
+
+
 def test_using_eqx_filter_value_and_grad_on_an_equinox_model():
     model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
     x, y = small_batch()
