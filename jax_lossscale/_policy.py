@@ -45,8 +45,11 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 
     Integer, boolean and complex arrays, typed PRNG keys, Python scalars, None and
     leaves that are not arrays (an equinox module's functions) come back as they
-    were, and so does an array already of `dtype`: the same object, no op in a
-    jitted graph. NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
+    were, and so does a strongly typed array already of `dtype`: the same object, no
+    op in a jitted graph. The floating arrays returned are strongly typed, as jmp's
+    casts return them: a weakly typed float32 scalar (a Python float passed to a
+    jitted function) cast to float32 no longer takes a float16 operand's dtype.
+    NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
     equinox modules, flax nnx `State`s, linen variable dicts.
 
     Examples:
@@ -59,10 +62,13 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
     target = _floating_dtype(dtype, "cast_tree", "dtype")
 
     def cast(leaf: Any) -> Any:
+        # A weakly typed float32 array (a Python scalar passed to a jitted function) becomes
+        # strongly typed, as jmp's `astype` makes it: weak, it would take the dtype of a
+        # float16 array it meets, and `h16 * cast_to_full(0.5) * 1000` would overflow.
         if (
             isinstance(leaf, jax.Array | np.ndarray | np.generic)
             and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and leaf.dtype != target
+            and (leaf.dtype != target or getattr(leaf, "weak_type", False))
         ):
             return leaf.astype(target)
         return leaf

@@ -859,3 +859,55 @@ def test_full_precision_gradients_flow_back_in_the_input_dtype():
     assert grad.dtype == jnp.float16
     np.testing.assert_array_equal(grad, np.array([0.004, 0.002], np.float16))
     chex.assert_tree_all_finite(grad)
+
+
+# --- casts return strongly typed arrays ---------------------------------------------------------
+
+H16 = jnp.full(3, 300.0, jnp.float16)
+
+
+def cast_to_full_scaled_by_1000(cast):
+    """jmp's case: a Python float passed to a jitted function is a weakly typed float32; cast to
+    float32 it must be strongly typed, or the float16 product overflows."""
+    return jax.jit(lambda h, s: h * cast(s) * 1000)(H16, 0.5)
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        jls.cast_to_full,
+        lambda s: jls.cast_tree(s, jnp.float32),
+        jls.Policy(jnp.float32, jnp.float16, jnp.float16).cast_to_param,
+        jls.Policy(jnp.float16, jnp.float32, jnp.float16).cast_to_compute,
+        jls.Policy(jnp.float16, jnp.float16, jnp.float32).cast_to_output,
+    ],
+    ids=["cast_to_full", "cast_tree", "cast_to_param", "cast_to_compute", "cast_to_output"],
+)
+def test_a_weakly_typed_float32_cast_to_float32_is_strongly_typed(cast):
+    assert jnp.isinf(jax.jit(lambda h, s: h * s * 1000)(H16, 0.5)).all()  # the trap
+    result = cast_to_full_scaled_by_1000(cast)
+    assert result.dtype == jnp.float32
+    chex.assert_trees_all_equal(result, jnp.full(3, 150000.0, jnp.float32))
+
+
+def test_casts_return_strong_arrays_and_keep_a_strong_array_of_the_dtype_as_it_is():
+    weak = jnp.asarray(0.5)
+    assert weak.weak_type
+    strong32, strong16 = jnp.float32(0.5), jnp.ones(2, jnp.float16)
+    tree = {"weak": weak, "strong32": strong32, "strong16": strong16, "python": 0.5}
+    out = jls.cast_to_full(tree)
+    assert not out["weak"].weak_type
+    assert out["weak"].dtype == jnp.float32
+    assert out["strong32"] is strong32  # already strong and float32: the same object
+    assert not out["strong16"].weak_type
+    assert out["python"] == 0.5
+    assert isinstance(out["python"], float)  # Python scalars are left as they are
+    half = jls.cast_to_half({"weak": weak})["weak"]
+    assert (half.dtype, half.weak_type) == (jnp.float16, False)
+
+    @jax.jit
+    def weak_types(s):
+        outs = (jls.cast_to_full(s), jls.cast_to_half(s), jls.get_policy("f32").cast_to_param(s))
+        return [jnp.asarray(o.weak_type) for o in outs]
+
+    assert [bool(w) for w in weak_types(0.5)] == [False, False, False]
