@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -211,8 +212,13 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
 
     For the parts of a half-precision model that must compute in float32: softmax,
     norms, losses. Floating array arguments narrower than float32 are cast to
-    float32 (float64 ones stay float64), the rest as `cast_tree` leaves them; the
-    outputs are cast to `output_dtype`, or left as `fn` returns them when it is None.
+    float32 (float64 ones stay float64), nested or not; the outputs are cast to
+    `output_dtype`, or left as `fn` returns them when it is None. An argument (or
+    part of one) that holds nothing to widen reaches `fn` as the same object: a flax
+    nnx module or `Rngs` that `fn` updates (a BatchNorm's running statistics, a
+    Dropout's RNG counter) keeps the update. An nnx module holding float16 or
+    bfloat16 variables is passed as itself too, those variables widened in place for
+    the call and cast back to their dtypes after it, updates included.
 
     Examples:
       >>> import jax
@@ -229,22 +235,67 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
     if output_dtype is not None:
         output_dtype = _floating_dtype(output_dtype, "full_precision", "output_dtype")
 
-    def widen(leaf: Any) -> Any:
-        if (
-            isinstance(leaf, jax.Array | np.ndarray | np.generic)
-            and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and jnp.finfo(leaf.dtype).bits < 32
-        ):
-            return leaf.astype(jnp.float32)
-        return leaf
-
     @functools.wraps(fn)
     def in_float32(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = jax.tree.map(widen, (args, kwargs))
-        outputs = fn(*args, **kwargs)
+        narrowed: list[tuple[Any, Any]] = []  # nnx Variables widened in place, their dtypes
+        try:
+            args, kwargs = _widened((args, kwargs), narrowed)
+            outputs = fn(*args, **kwargs)
+        finally:
+            for variable, dtype in reversed(narrowed):
+                value = _get_value(variable)
+                if _is_floating_array(value) and value.dtype != dtype:
+                    variable.set_value(value.astype(dtype))
         return outputs if output_dtype is None else cast_tree(outputs, output_dtype)
 
     return in_float32  # type: ignore[return-value]
+
+
+def _is_floating_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        leaf.dtype, jnp.floating
+    )
+
+
+def _is_narrow(leaf: Any) -> bool:
+    """A floating array narrower than float32: what `full_precision` widens."""
+    return _is_floating_array(leaf) and jnp.finfo(leaf.dtype).bits < 32
+
+
+def _nnx_types() -> tuple[type, ...]:
+    """flax nnx's mutable graph nodes (modules, `Rngs`) and Variables, if flax is in use."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return ()
+    kinds = (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None), nnx.Variable)
+    return tuple(kind for kind in kinds if isinstance(kind, type))
+
+
+def _get_value(variable: Any) -> Any:
+    return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
+def _widened(tree: PyTree, narrowed: list[tuple[Any, Any]]) -> PyTree:
+    """`tree` with its narrow floating arrays cast to float32, every subtree with none of them
+    kept as the same object, and nnx objects widened in place (recorded in `narrowed`)."""
+    nnx_types = _nnx_types()
+
+    def kept(node: Any) -> bool:
+        return isinstance(node, nnx_types) or not any(map(_is_narrow, jax.tree.leaves(node)))
+
+    def widen(node: Any) -> Any:
+        if _is_narrow(node):
+            return node.astype(jnp.float32)
+        if isinstance(node, nnx_types):
+            variables = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, nnx_types[-1]))
+            for variable in variables:
+                value = _get_value(variable) if isinstance(variable, nnx_types[-1]) else None
+                if _is_narrow(value):
+                    narrowed.append((variable, value.dtype))
+                    variable.set_value(value.astype(jnp.float32))
+        return node
+
+    return jax.tree.map(widen, tree, is_leaf=kept)
 
 
 def _parse_dtype(policy_name: str, name: str) -> np.dtype[Any]:

@@ -911,3 +911,81 @@ def test_casts_return_strong_arrays_and_keep_a_strong_array_of_the_dtype_as_it_i
         return [jnp.asarray(o.weak_type) for o in outs]
 
     assert [bool(w) for w in weak_types(0.5)] == [False, False, False]
+
+
+# --- full_precision passes what needs no widening as itself -------------------------------
+
+X16 = jnp.arange(8, dtype=jnp.float16).reshape(4, 2)  # batch means [3, 4]
+
+
+def through_full_precision(module, h):
+    return jls.full_precision(lambda m, h: m(h))(module, h)
+
+
+@nnx.jit
+def through_full_precision_under_nnx_jit(module, h):
+    return jls.full_precision(lambda m, h: m(h))(module, h)
+
+
+@pytest.mark.parametrize(
+    "call", [through_full_precision, through_full_precision_under_nnx_jit], ids=["eager", "nnx.jit"]
+)
+def test_full_precision_keeps_a_batchnorms_running_mean_update(call):
+    """A float32 island around a norm layer: the running mean moved in a copy and was lost (it
+    stayed [0, 0]); called directly it moves to 0.99 * 0 + 0.01 * [3, 4]."""
+    direct = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    direct(X16.astype(jnp.float32))
+    np.testing.assert_allclose(direct.mean[...], [0.03, 0.04], rtol=1e-6)
+    bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    out = call(bn, X16)
+    assert out.dtype == jnp.float32
+    chex.assert_trees_all_equal(bn.mean[...], direct.mean[...])
+    chex.assert_trees_all_equal(bn.var[...], direct.var[...])
+
+
+@pytest.mark.parametrize(
+    "call", [through_full_precision, through_full_precision_under_nnx_jit], ids=["eager", "nnx.jit"]
+)
+def test_full_precision_advances_a_dropouts_rng_counter(call):
+    """The Rngs counter advanced in a copy: every call drew the same mask. Now each call draws
+    the next one, as calling the layer directly does."""
+    direct = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    expected = [direct(jnp.ones(8, jnp.float32)) for _ in range(2)]
+    assert not (expected[0] == expected[1]).all()
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    masks = [call(dropout, jnp.ones(8, jnp.float16)) for _ in range(2)]
+    assert [m.dtype for m in masks] == [jnp.float32, jnp.float32]
+    chex.assert_trees_all_equal(masks, expected)
+    np.testing.assert_array_equal(masks[0], [2, 0, 2, 0, 2, 2, 2, 0])
+    np.testing.assert_array_equal(masks[1], [2, 2, 2, 0, 2, 0, 0, 2])
+
+
+def test_full_precision_passes_what_needs_no_widening_as_the_same_objects():
+    seen = []
+    bn, rngs = nnx.BatchNorm(2, rngs=nnx.Rngs(0)), nnx.Rngs(3)
+    wide = {"w": jnp.ones(2, jnp.float32), "n": jnp.int32(2)}
+    mixed = {"keep": wide, "h": jnp.ones(2, jnp.float16)}
+    fn = jls.full_precision(lambda *args, **kwargs: seen.append((args, kwargs)))
+    fn(bn, wide, mixed, rngs=rngs)
+    ((args, kwargs),) = seen
+    assert args[0] is bn
+    assert args[1] is wide
+    assert args[2] is not mixed  # it held a float16 array: rebuilt, its float32 part kept
+    assert args[2]["keep"] is wide
+    assert args[2]["h"].dtype == jnp.float32
+    assert kwargs["rngs"] is rngs
+
+
+def test_full_precision_widens_an_nnx_modules_half_variables_in_place_and_casts_them_back():
+    """A BatchNorm with float16 params and statistics: passed as itself, computed in float32,
+    its updated statistics stored back in float16."""
+    bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0), param_dtype=jnp.float16)
+    for stat in (bn.mean, bn.var):  # nnx keeps them float32: made float16 here
+        stat.set_value(stat.get_value().astype(jnp.float16))
+    dtypes = []
+    out = jls.full_precision(lambda m, h: dtypes.append(m.scale[...].dtype) or m(h))(bn, X16)
+    assert dtypes == [jnp.float32]
+    assert out.dtype == jnp.float32
+    assert bn.scale[...].dtype == bn.mean[...].dtype == jnp.float16
+    np.testing.assert_array_equal(bn.mean[...], np.array([0.03, 0.04], np.float16))
+    np.testing.assert_array_equal(bn.scale[...], np.ones(2, np.float16))
