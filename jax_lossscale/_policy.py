@@ -289,7 +289,7 @@ def _widened(tree: PyTree, narrowed: list[tuple[Any, Any]]) -> PyTree:
         if isinstance(node, nnx_types):
             variables = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, nnx_types[-1]))
             for variable in variables:
-                value = _get_value(variable) if isinstance(variable, nnx_types[-1]) else None
+                value: Any = _get_value(variable) if isinstance(variable, nnx_types[-1]) else None
                 if _is_narrow(value):
                     narrowed.append((variable, value.dtype))
                     variable.set_value(value.astype(jnp.float32))
