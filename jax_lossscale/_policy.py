@@ -30,15 +30,22 @@ _KEYS |= {"o": "output", "output": "output"}
 _KERAS = {"mixed_float16": jnp.float16, "mixed_bfloat16": jnp.bfloat16}
 
 
-def half_dtype() -> np.dtype[Any]:
-    """The half-precision dtype to compute in: bfloat16 on TPUs, float16 elsewhere.
+def half_dtype() -> Any:
+    """The half-precision type to compute in: `jnp.bfloat16` on TPUs, `jnp.float16` elsewhere.
+
+    The scalar type, as jmp's `half_dtype` returns it: it is accepted wherever a dtype is
+    (`jnp.ones(2, half_dtype())`, `x.astype(half_dtype())`), compares equal to its
+    `jnp.dtype`, and is called like `jnp.float16` to make a scalar.
 
     Examples:
+      >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
-      >>> jls.half_dtype()  # on a CPU or a GPU
-      dtype('float16')
+      >>> jls.half_dtype() is jnp.float16  # on a CPU or a GPU
+      True
+      >>> jls.half_dtype()(0.5)
+      Array(0.5, dtype=float16)
     """
-    return _BY_NAME["bf16" if jax.default_backend() == "tpu" else "f16"]
+    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
 
 
 def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
@@ -162,7 +169,8 @@ def get_policy(policy_name: str) -> Policy:
 
     `"params=float32,compute=float16,output=float32"`, or with the short keys
     `"p=f32,c=f16,o=f32"`; the dtype names are `f16`/`float16`, `bf16`/`bfloat16`,
-    `f32`/`float32`/`full`, `f64`/`float64` and `half` (`half_dtype()`). Unnamed parts
+    `f32`/`float32`/`full`, `f64`/`float64` and `half` (`half_dtype()`), and other
+    floating dtypes by their full names (`float8_e4m3fn`, as `str` writes them). Unnamed parts
     default as jmp's do: params to float32, compute to params, output to compute. A
     single dtype name is all three; Keras' `"mixed_float16"` and `"mixed_bfloat16"`
     are float32 params and outputs with half compute.
@@ -300,22 +308,45 @@ def _widened(tree: PyTree, narrowed: list[tuple[Any, Any]]) -> PyTree:
 
 def _parse_dtype(policy_name: str, name: str) -> np.dtype[Any]:
     if name == "half":
-        return half_dtype()
+        return _BY_NAME[half_dtype().dtype.name]
     if name in _BY_NAME:
         return _BY_NAME[name]
+    named = _other_floating(name)
+    if named is not None:
+        return named
     raise ValueError(
         f"get_policy({policy_name!r}): unknown dtype {name!r}; expected one of "
-        f"{', '.join([*_BY_NAME, 'half'])}, or keys and dtypes as 'p=f32,c=f16,o=f32'"
+        f"{', '.join([*_BY_NAME, 'half'])} (or another floating dtype's full name, such as "
+        "float8_e4m3fn), or keys and dtypes as 'p=f32,c=f16,o=f32'"
     )
+
+
+def _other_floating(name: str) -> np.dtype[Any] | None:
+    """The floating dtype called exactly `name` by its own `.name` (`float8_e4m3fn`, which
+    `str(policy)` writes for a float8 policy), or None."""
+    try:
+        dtype: np.dtype[Any] = jnp.dtype(name)
+    except (TypeError, ValueError):
+        return None
+    return dtype if dtype.name == name and jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def _floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
     """`dtype` (a dtype or one of its names) as a floating `jnp.dtype`."""
-    if isinstance(dtype, str) and (dtype in _BY_NAME or dtype == "half"):
-        return half_dtype() if dtype == "half" else _BY_NAME[dtype]
+    if isinstance(dtype, str):
+        text = dtype.strip()
+        if text == "half":
+            return _BY_NAME[half_dtype().dtype.name]
+        if text in _BY_NAME:
+            return _BY_NAME[text]
+        if "=" in text or "," in text or text in _KERAS:
+            raise ValueError(
+                f"{owner}({name}={describe(dtype)}): {name} is a dtype, not a policy string; "
+                f"parse a policy string with jls.get_policy({describe(dtype)})"
+            )
     try:
-        result: np.dtype[Any] | None = np.dtype(dtype)
-    except TypeError:
+        result: np.dtype[Any] | None = jnp.dtype(dtype)
+    except (TypeError, ValueError):
         result = None
     if result is None or dtype is None or not jnp.issubdtype(result, jnp.floating):
         raise (TypeError if result is None or dtype is None else ValueError)(

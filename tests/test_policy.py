@@ -674,8 +674,9 @@ KEYS = "expected p or params, c or compute, o or output"
 
 def unknown_dtype(text, name):
     return (
-        f"get_policy({text!r}): unknown dtype {name!r}; expected one of {DTYPE_LIST}, "
-        "or keys and dtypes as 'p=f32,c=f16,o=f32'"
+        f"get_policy({text!r}): unknown dtype {name!r}; expected one of {DTYPE_LIST} (or "
+        "another floating dtype's full name, such as float8_e4m3fn), or keys and dtypes as "
+        "'p=f32,c=f16,o=f32'"
     )
 
 
@@ -989,3 +990,48 @@ def test_full_precision_widens_an_nnx_modules_half_variables_in_place_and_casts_
     assert bn.scale[...].dtype == bn.mean[...].dtype == jnp.float16
     np.testing.assert_array_equal(bn.mean[...], np.array([0.03, 0.04], np.float16))
     np.testing.assert_array_equal(bn.scale[...], np.ones(2, np.float16))
+
+
+# --- errors that name the fix, and what works ---------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["p=f32,c=f16,o=f32", "params=float32", "mixed_float16"])
+def test_policy_given_a_policy_string_says_to_use_get_policy(text):
+    """NumPy's "format number 1 of 'p=f32,c=f16,o=f32' is not recognized" named nothing."""
+    message = (
+        f"Policy(param_dtype={text!r}): param_dtype is a dtype, not a policy string; parse a "
+        f"policy string with jls.get_policy({text!r})"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        jls.Policy(text, jnp.float16, jnp.float32)
+    assert jls.get_policy(text).param_dtype == jnp.float32
+
+
+FLOAT8S = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3b11fnuz, jnp.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("float8", FLOAT8S, ids=lambda d: np.dtype(d).name)
+def test_a_float8_policys_str_parses_back(float8):
+    policy = jls.Policy(jnp.float32, float8, jnp.bfloat16)
+    name = np.dtype(float8).name
+    assert str(policy) == f"p=f32,c={name},o=bf16"
+    assert jls.get_policy(str(policy)) == policy
+    assert jls.get_policy(name) == jls.Policy(float8, float8, float8)
+
+
+def test_get_policy_takes_only_full_dtype_names_beyond_its_own():
+    for text in ["e", "f4", "float", "float8"]:  # numpy's codes and aliases are not names
+        with pytest.raises(ValueError, match=exactly(unknown_dtype(text, text))):
+            jls.get_policy(text)
+
+
+def test_half_dtype_is_the_scalar_type_callable_like_jnp_float16():
+    """jmp's `half_dtype()` is `jnp.float16` (off TPU), which users call to make scalars."""
+    half = jls.half_dtype()
+    assert half is jnp.float16
+    scalar = half(0.5)
+    assert (scalar.dtype, float(scalar)) == (jnp.float16, 0.5)
+    assert np.dtype(half) == np.dtype("float16")
+    assert jnp.ones(2, half).dtype == jnp.float16
+    assert jls.cast_to_half(jnp.ones(2)).dtype == half
+    assert jls.Policy(half, half, half) == jls.get_policy("half")
