@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,15 +30,22 @@ _KEYS |= {"o": "output", "output": "output"}
 _KERAS = {"mixed_float16": jnp.float16, "mixed_bfloat16": jnp.bfloat16}
 
 
-def half_dtype() -> np.dtype[Any]:
-    """The half-precision dtype to compute in: bfloat16 on TPUs, float16 elsewhere.
+def half_dtype() -> Any:
+    """The half-precision type to compute in: `jnp.bfloat16` on TPUs, `jnp.float16` elsewhere.
+
+    The scalar type, as jmp's `half_dtype` returns it: it is accepted wherever a dtype is
+    (`jnp.ones(2, half_dtype())`, `x.astype(half_dtype())`), compares equal to its
+    `jnp.dtype`, and is called like `jnp.float16` to make a scalar.
 
     Examples:
+      >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
-      >>> jls.half_dtype()  # on a CPU or a GPU
-      dtype('float16')
+      >>> jls.half_dtype() is jnp.float16  # on a CPU or a GPU
+      True
+      >>> jls.half_dtype()(0.5)
+      Array(0.5, dtype=float16)
     """
-    return _BY_NAME["bf16" if jax.default_backend() == "tpu" else "f16"]
+    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16
 
 
 def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
@@ -45,8 +53,11 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 
     Integer, boolean and complex arrays, typed PRNG keys, Python scalars, None and
     leaves that are not arrays (an equinox module's functions) come back as they
-    were, and so does an array already of `dtype`: the same object, no op in a
-    jitted graph. NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
+    were, and so does a strongly typed array already of `dtype`: the same object, no
+    op in a jitted graph. The floating arrays returned are strongly typed, as jmp's
+    casts return them: a weakly typed float32 scalar (a Python float passed to a
+    jitted function) cast to float32 no longer takes a float16 operand's dtype.
+    NumPy arrays stay NumPy arrays. Any pytree: dicts, NamedTuples,
     equinox modules, flax nnx `State`s, linen variable dicts.
 
     Examples:
@@ -59,10 +70,13 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
     target = _floating_dtype(dtype, "cast_tree", "dtype")
 
     def cast(leaf: Any) -> Any:
+        # A weakly typed float32 array (a Python scalar passed to a jitted function) becomes
+        # strongly typed, as jmp's `astype` makes it: weak, it would take the dtype of a
+        # float16 array it meets, and `h16 * cast_to_full(0.5) * 1000` would overflow.
         if (
             isinstance(leaf, jax.Array | np.ndarray | np.generic)
             and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and leaf.dtype != target
+            and (leaf.dtype != target or getattr(leaf, "weak_type", False))
         ):
             return leaf.astype(target)
         return leaf
@@ -155,7 +169,8 @@ def get_policy(policy_name: str) -> Policy:
 
     `"params=float32,compute=float16,output=float32"`, or with the short keys
     `"p=f32,c=f16,o=f32"`; the dtype names are `f16`/`float16`, `bf16`/`bfloat16`,
-    `f32`/`float32`/`full`, `f64`/`float64` and `half` (`half_dtype()`). Unnamed parts
+    `f32`/`float32`/`full`, `f64`/`float64` and `half` (`half_dtype()`), and other
+    floating dtypes by their full names (`float8_e4m3fn`, as `str` writes them). Unnamed parts
     default as jmp's do: params to float32, compute to params, output to compute. A
     single dtype name is all three; Keras' `"mixed_float16"` and `"mixed_bfloat16"`
     are float32 params and outputs with half compute.
@@ -205,8 +220,13 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
 
     For the parts of a half-precision model that must compute in float32: softmax,
     norms, losses. Floating array arguments narrower than float32 are cast to
-    float32 (float64 ones stay float64), the rest as `cast_tree` leaves them; the
-    outputs are cast to `output_dtype`, or left as `fn` returns them when it is None.
+    float32 (float64 ones stay float64), nested or not; the outputs are cast to
+    `output_dtype`, or left as `fn` returns them when it is None. An argument (or
+    part of one) that holds nothing to widen reaches `fn` as the same object: a flax
+    nnx module or `Rngs` that `fn` updates (a BatchNorm's running statistics, a
+    Dropout's RNG counter) keeps the update. An nnx module holding float16 or
+    bfloat16 variables is passed as itself too, those variables widened in place for
+    the call and cast back to their dtypes after it, updates included.
 
     Examples:
       >>> import jax
@@ -223,42 +243,110 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
     if output_dtype is not None:
         output_dtype = _floating_dtype(output_dtype, "full_precision", "output_dtype")
 
-    def widen(leaf: Any) -> Any:
-        if (
-            isinstance(leaf, jax.Array | np.ndarray | np.generic)
-            and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and jnp.finfo(leaf.dtype).bits < 32
-        ):
-            return leaf.astype(jnp.float32)
-        return leaf
-
     @functools.wraps(fn)
     def in_float32(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = jax.tree.map(widen, (args, kwargs))
-        outputs = fn(*args, **kwargs)
+        narrowed: list[tuple[Any, Any]] = []  # nnx Variables widened in place, their dtypes
+        try:
+            args, kwargs = _widened((args, kwargs), narrowed)
+            outputs = fn(*args, **kwargs)
+        finally:
+            for variable, dtype in reversed(narrowed):
+                value = _get_value(variable)
+                if _is_floating_array(value) and value.dtype != dtype:
+                    variable.set_value(value.astype(dtype))
         return outputs if output_dtype is None else cast_tree(outputs, output_dtype)
 
     return in_float32  # type: ignore[return-value]
 
 
+def _is_floating_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        leaf.dtype, jnp.floating
+    )
+
+
+def _is_narrow(leaf: Any) -> bool:
+    """A floating array narrower than float32: what `full_precision` widens."""
+    return _is_floating_array(leaf) and jnp.finfo(leaf.dtype).bits < 32
+
+
+def _nnx_types() -> tuple[type, ...]:
+    """flax nnx's mutable graph nodes (modules, `Rngs`) and Variables, if flax is in use."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return ()
+    kinds = (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None), nnx.Variable)
+    return tuple(kind for kind in kinds if isinstance(kind, type))
+
+
+def _get_value(variable: Any) -> Any:
+    return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
+def _widened(tree: PyTree, narrowed: list[tuple[Any, Any]]) -> PyTree:
+    """`tree` with its narrow floating arrays cast to float32, every subtree with none of them
+    kept as the same object, and nnx objects widened in place (recorded in `narrowed`)."""
+    nnx_types = _nnx_types()
+
+    def kept(node: Any) -> bool:
+        return isinstance(node, nnx_types) or not any(map(_is_narrow, jax.tree.leaves(node)))
+
+    def widen(node: Any) -> Any:
+        if _is_narrow(node):
+            return node.astype(jnp.float32)
+        if isinstance(node, nnx_types):
+            variables = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, nnx_types[-1]))
+            for variable in variables:
+                value: Any = _get_value(variable) if isinstance(variable, nnx_types[-1]) else None
+                if _is_narrow(value):
+                    narrowed.append((variable, value.dtype))
+                    variable.set_value(value.astype(jnp.float32))
+        return node
+
+    return jax.tree.map(widen, tree, is_leaf=kept)
+
+
 def _parse_dtype(policy_name: str, name: str) -> np.dtype[Any]:
     if name == "half":
-        return half_dtype()
+        return _BY_NAME[half_dtype().dtype.name]
     if name in _BY_NAME:
         return _BY_NAME[name]
+    named = _other_floating(name)
+    if named is not None:
+        return named
     raise ValueError(
         f"get_policy({policy_name!r}): unknown dtype {name!r}; expected one of "
-        f"{', '.join([*_BY_NAME, 'half'])}, or keys and dtypes as 'p=f32,c=f16,o=f32'"
+        f"{', '.join([*_BY_NAME, 'half'])} (or another floating dtype's full name, such as "
+        "float8_e4m3fn), or keys and dtypes as 'p=f32,c=f16,o=f32'"
     )
+
+
+def _other_floating(name: str) -> np.dtype[Any] | None:
+    """The floating dtype called exactly `name` by its own `.name` (`float8_e4m3fn`, which
+    `str(policy)` writes for a float8 policy), or None."""
+    try:
+        dtype: np.dtype[Any] = jnp.dtype(name)
+    except (TypeError, ValueError):
+        return None
+    return dtype if dtype.name == name and jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def _floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
     """`dtype` (a dtype or one of its names) as a floating `jnp.dtype`."""
-    if isinstance(dtype, str) and (dtype in _BY_NAME or dtype == "half"):
-        return half_dtype() if dtype == "half" else _BY_NAME[dtype]
+    if isinstance(dtype, str):
+        text = dtype.strip()
+        if text == "half":
+            return _BY_NAME[half_dtype().dtype.name]
+        if text in _BY_NAME:
+            return _BY_NAME[text]
+        if "=" in text or "," in text or text in _KERAS:
+            raise ValueError(
+                f"{owner}({name}={describe(dtype)}): {name} is a dtype, not a policy string; "
+                f"parse a policy string with jls.get_policy({describe(dtype)})"
+            )
     try:
-        result: np.dtype[Any] | None = np.dtype(dtype)
-    except TypeError:
+        result: np.dtype[Any] | None = jnp.dtype(dtype)
+    except (TypeError, ValueError):
         result = None
     if result is None or dtype is None or not jnp.issubdtype(result, jnp.floating):
         raise (TypeError if result is None or dtype is None else ValueError)(

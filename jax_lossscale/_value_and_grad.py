@@ -41,7 +41,8 @@ def value_and_grad(
 
     Args:
       fun: the loss function; its value (or the first element of its output, with
-        `has_aux`) must be a real scalar.
+        `has_aux`) must be a real floating scalar array, or a Python float as
+        `jax.value_and_grad` accepts.
       opt_state: the optax state holding a `LossScaledState`, or the scale.
       argnums: which positional arguments to differentiate, as `jax.value_and_grad`.
       has_aux: whether `fun` returns `(value, aux)`.
@@ -88,25 +89,35 @@ def value_and_grad(
 
         def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
+            if has_aux and not (isinstance(output, list | tuple) and len(output) == 2):
+                # jax.value_and_grad's check and message; unpacked, a length-2 array would
+                # give the gradient of its first element.
+                raise TypeError(
+                    "value_and_grad(has_aux=True): expected function with aux output to return "
+                    f"a two-element tuple, but got type {type(output)} with value "
+                    f"{describe(output)}"
+                )
             value, aux = output if has_aux else (output, None)
+            # A Python float is a float32 scalar to jax.value_and_grad, which accepts it.
+            loss = jnp.asarray(value, jnp.float32) if type(value) is float else value
             if not (
-                isinstance(value, jax.Array | np.ndarray | np.generic)
-                and value.shape == ()
-                and jnp.issubdtype(value.dtype, jnp.floating)
+                isinstance(loss, jax.Array | np.ndarray | np.generic)
+                and loss.shape == ()
+                and jnp.issubdtype(loss.dtype, jnp.floating)
             ):
                 raise TypeError(
                     "value_and_grad: fun must return a real floating scalar"
                     f"{' as the first element of (value, aux)' if has_aux else ''}, got "
                     f"{describe(value)}"
                 )
-            if jnp.finfo(value.dtype).bits >= 32:
-                wide = jnp.promote_types(value.dtype, jnp.float32)
-                return value.astype(wide) * scale.astype(wide), (value, aux, None)
-            # The cotangent that enters fun's backward pass has value's dtype: the largest
+            if jnp.finfo(loss.dtype).bits >= 32:
+                wide = jnp.promote_types(loss.dtype, jnp.float32)
+                return loss.astype(wide) * scale.astype(wide), (value, aux, None)
+            # The cotangent that enters fun's backward pass has the loss's dtype: the largest
             # power of two in the scale that the dtype holds is exact there; the rest of the
             # scale multiplies the gradients afterwards, in float32.
-            power, rest = _split(scale, value.dtype)
-            return value.astype(jnp.float32) * power, (value, aux, rest)
+            power, rest = _split(scale, loss.dtype)
+            return loss.astype(jnp.float32) * power, (value, aux, rest)
 
         (_, (value, aux, rest)), grads = transform(scaled, **options)(*args, **kwargs)
         if rest is not None:

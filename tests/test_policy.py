@@ -674,8 +674,9 @@ KEYS = "expected p or params, c or compute, o or output"
 
 def unknown_dtype(text, name):
     return (
-        f"get_policy({text!r}): unknown dtype {name!r}; expected one of {DTYPE_LIST}, "
-        "or keys and dtypes as 'p=f32,c=f16,o=f32'"
+        f"get_policy({text!r}): unknown dtype {name!r}; expected one of {DTYPE_LIST} (or "
+        "another floating dtype's full name, such as float8_e4m3fn), or keys and dtypes as "
+        "'p=f32,c=f16,o=f32'"
     )
 
 
@@ -859,3 +860,178 @@ def test_full_precision_gradients_flow_back_in_the_input_dtype():
     assert grad.dtype == jnp.float16
     np.testing.assert_array_equal(grad, np.array([0.004, 0.002], np.float16))
     chex.assert_tree_all_finite(grad)
+
+
+# --- casts return strongly typed arrays ---------------------------------------------------------
+
+H16 = jnp.full(3, 300.0, jnp.float16)
+
+
+def cast_to_full_scaled_by_1000(cast):
+    """jmp's case: a Python float passed to a jitted function is a weakly typed float32; cast to
+    float32 it must be strongly typed, or the float16 product overflows."""
+    return jax.jit(lambda h, s: h * cast(s) * 1000)(H16, 0.5)
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        jls.cast_to_full,
+        lambda s: jls.cast_tree(s, jnp.float32),
+        jls.Policy(jnp.float32, jnp.float16, jnp.float16).cast_to_param,
+        jls.Policy(jnp.float16, jnp.float32, jnp.float16).cast_to_compute,
+        jls.Policy(jnp.float16, jnp.float16, jnp.float32).cast_to_output,
+    ],
+    ids=["cast_to_full", "cast_tree", "cast_to_param", "cast_to_compute", "cast_to_output"],
+)
+def test_a_weakly_typed_float32_cast_to_float32_is_strongly_typed(cast):
+    assert jnp.isinf(jax.jit(lambda h, s: h * s * 1000)(H16, 0.5)).all()  # the trap
+    result = cast_to_full_scaled_by_1000(cast)
+    assert result.dtype == jnp.float32
+    chex.assert_trees_all_equal(result, jnp.full(3, 150000.0, jnp.float32))
+
+
+def test_casts_return_strong_arrays_and_keep_a_strong_array_of_the_dtype_as_it_is():
+    weak = jnp.asarray(0.5)
+    assert weak.weak_type
+    strong32, strong16 = jnp.float32(0.5), jnp.ones(2, jnp.float16)
+    tree = {"weak": weak, "strong32": strong32, "strong16": strong16, "python": 0.5}
+    out = jls.cast_to_full(tree)
+    assert not out["weak"].weak_type
+    assert out["weak"].dtype == jnp.float32
+    assert out["strong32"] is strong32  # already strong and float32: the same object
+    assert not out["strong16"].weak_type
+    assert out["python"] == 0.5
+    assert isinstance(out["python"], float)  # Python scalars are left as they are
+    half = jls.cast_to_half({"weak": weak})["weak"]
+    assert (half.dtype, half.weak_type) == (jnp.float16, False)
+
+    @jax.jit
+    def weak_types(s):
+        outs = (jls.cast_to_full(s), jls.cast_to_half(s), jls.get_policy("f32").cast_to_param(s))
+        return [jnp.asarray(o.weak_type) for o in outs]
+
+    assert [bool(w) for w in weak_types(0.5)] == [False, False, False]
+
+
+# --- full_precision passes what needs no widening as itself -------------------------------
+
+X16 = jnp.arange(8, dtype=jnp.float16).reshape(4, 2)  # batch means [3, 4]
+
+
+def through_full_precision(module, h):
+    return jls.full_precision(lambda m, h: m(h))(module, h)
+
+
+@nnx.jit
+def through_full_precision_under_nnx_jit(module, h):
+    return jls.full_precision(lambda m, h: m(h))(module, h)
+
+
+@pytest.mark.parametrize(
+    "call", [through_full_precision, through_full_precision_under_nnx_jit], ids=["eager", "nnx.jit"]
+)
+def test_full_precision_keeps_a_batchnorms_running_mean_update(call):
+    """A float32 island around a norm layer: the running mean moved in a copy and was lost (it
+    stayed [0, 0]); called directly it moves to 0.99 * 0 + 0.01 * [3, 4]."""
+    direct = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    direct(X16.astype(jnp.float32))
+    np.testing.assert_allclose(direct.mean[...], [0.03, 0.04], rtol=1e-6)
+    bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    out = call(bn, X16)
+    assert out.dtype == jnp.float32
+    chex.assert_trees_all_equal(bn.mean[...], direct.mean[...])
+    chex.assert_trees_all_equal(bn.var[...], direct.var[...])
+
+
+@pytest.mark.parametrize(
+    "call", [through_full_precision, through_full_precision_under_nnx_jit], ids=["eager", "nnx.jit"]
+)
+def test_full_precision_advances_a_dropouts_rng_counter(call):
+    """The Rngs counter advanced in a copy: every call drew the same mask. Now each call draws
+    the next one, as calling the layer directly does."""
+    direct = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    expected = [direct(jnp.ones(8, jnp.float32)) for _ in range(2)]
+    assert not (expected[0] == expected[1]).all()
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    masks = [call(dropout, jnp.ones(8, jnp.float16)) for _ in range(2)]
+    assert [m.dtype for m in masks] == [jnp.float32, jnp.float32]
+    chex.assert_trees_all_equal(masks, expected)
+    np.testing.assert_array_equal(masks[0], [2, 0, 2, 0, 2, 2, 2, 0])
+    np.testing.assert_array_equal(masks[1], [2, 2, 2, 0, 2, 0, 0, 2])
+
+
+def test_full_precision_passes_what_needs_no_widening_as_the_same_objects():
+    seen = []
+    bn, rngs = nnx.BatchNorm(2, rngs=nnx.Rngs(0)), nnx.Rngs(3)
+    wide = {"w": jnp.ones(2, jnp.float32), "n": jnp.int32(2)}
+    mixed = {"keep": wide, "h": jnp.ones(2, jnp.float16)}
+    fn = jls.full_precision(lambda *args, **kwargs: seen.append((args, kwargs)))
+    fn(bn, wide, mixed, rngs=rngs)
+    ((args, kwargs),) = seen
+    assert args[0] is bn
+    assert args[1] is wide
+    assert args[2] is not mixed  # it held a float16 array: rebuilt, its float32 part kept
+    assert args[2]["keep"] is wide
+    assert args[2]["h"].dtype == jnp.float32
+    assert kwargs["rngs"] is rngs
+
+
+def test_full_precision_widens_an_nnx_modules_half_variables_in_place_and_casts_them_back():
+    """A BatchNorm with float16 params and statistics: passed as itself, computed in float32,
+    its updated statistics stored back in float16."""
+    bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0), param_dtype=jnp.float16)
+    for stat in (bn.mean, bn.var):  # nnx keeps them float32: made float16 here
+        stat.set_value(stat.get_value().astype(jnp.float16))
+    dtypes = []
+    out = jls.full_precision(lambda m, h: dtypes.append(m.scale[...].dtype) or m(h))(bn, X16)
+    assert dtypes == [jnp.float32]
+    assert out.dtype == jnp.float32
+    assert bn.scale[...].dtype == bn.mean[...].dtype == jnp.float16
+    np.testing.assert_array_equal(bn.mean[...], np.array([0.03, 0.04], np.float16))
+    np.testing.assert_array_equal(bn.scale[...], np.ones(2, np.float16))
+
+
+# --- errors that name the fix, and what works ---------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["p=f32,c=f16,o=f32", "params=float32", "mixed_float16"])
+def test_policy_given_a_policy_string_says_to_use_get_policy(text):
+    """NumPy's "format number 1 of 'p=f32,c=f16,o=f32' is not recognized" named nothing."""
+    message = (
+        f"Policy(param_dtype={text!r}): param_dtype is a dtype, not a policy string; parse a "
+        f"policy string with jls.get_policy({text!r})"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        jls.Policy(text, jnp.float16, jnp.float32)
+    assert jls.get_policy(text).param_dtype == jnp.float32
+
+
+FLOAT8S = [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3b11fnuz, jnp.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("float8", FLOAT8S, ids=lambda d: np.dtype(d).name)
+def test_a_float8_policys_str_parses_back(float8):
+    policy = jls.Policy(jnp.float32, float8, jnp.bfloat16)
+    name = np.dtype(float8).name
+    assert str(policy) == f"p=f32,c={name},o=bf16"
+    assert jls.get_policy(str(policy)) == policy
+    assert jls.get_policy(name) == jls.Policy(float8, float8, float8)
+
+
+def test_get_policy_takes_only_full_dtype_names_beyond_its_own():
+    for text in ["e", "f4", "float", "float8"]:  # numpy's codes and aliases are not names
+        with pytest.raises(ValueError, match=exactly(unknown_dtype(text, text))):
+            jls.get_policy(text)
+
+
+def test_half_dtype_is_the_scalar_type_callable_like_jnp_float16():
+    """jmp's `half_dtype()` is `jnp.float16` (off TPU), which users call to make scalars."""
+    half = jls.half_dtype()
+    assert half is jnp.float16
+    scalar = half(0.5)
+    assert (scalar.dtype, float(scalar)) == (jnp.float16, 0.5)
+    assert np.dtype(half) == np.dtype("float16")
+    assert jnp.ones(2, half).dtype == jnp.float16
+    assert jls.cast_to_half(jnp.ones(2)).dtype == half
+    assert jls.Policy(half, half, half) == jls.get_policy("half")

@@ -329,6 +329,27 @@ def test_a_scale_of_the_wrong_dtype_or_shape_is_a_type_error(scale, shown):
         jls.value_and_grad(jnp.sum, scale)
 
 
+def test_an_opt_state_replicated_for_pmap_names_the_scales_shape():
+    """Outside the pmapped step, a replicated (stacked) state holds a scale of shape (8,): jax's
+    "Gradient only defined for scalar-output functions ... (8,)" named neither."""
+    tx, _ = dynamic_tx()
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * 8), tx.init(small_params()))
+    message = (
+        "value_and_grad: the loss scale in opt_state has shape (8,), not (): a state replicated "
+        "by pmap or stacked by vmap; call value_and_grad inside the pmapped (or vmapped) step, "
+        "with the step's own opt_state, where the scale is a scalar"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        jls.value_and_grad(loss_in(F16), stacked)
+    # inside a vmap over the stack, the scale is a scalar again
+    x, y = small_batch()
+    _, grads = jax.vmap(lambda s: jls.value_and_grad(loss_in(F32), s)(small_params(), x, y))(
+        stacked
+    )
+    expected = jax.grad(lambda p: loss_in(F32)(p, x, y) * 2.0**10)(small_params())
+    chex.assert_trees_all_close(jax.tree.map(lambda g: g[3], grads), expected, rtol=1e-6)
+
+
 def test_fun_returning_a_non_scalar_is_a_type_error():
     params = jnp.array([1.0, 2.0], F32)
     with pytest.raises(TypeError) as info:
@@ -349,18 +370,34 @@ def test_fun_returning_a_non_scalar_is_a_type_error():
     ("fun", "shown"),
     [
         (lambda p: jnp.sum(p).astype(jnp.int32), "Array(3, dtype=int32)"),
-        (lambda p: 1.0, "1.0"),
+        (lambda p: 1, "1"),
         (
             lambda p: jnp.sum(p).astype(jnp.complex64),
             "GradTracer(primal=(3+0j), typeof(tangent)=c64[])",
         ),
     ],
-    ids=["int32", "python_float", "complex"],
+    ids=["int32", "python_int", "complex"],
 )
 def test_fun_returning_a_non_floating_value_is_a_type_error(fun, shown):
     with pytest.raises(TypeError) as info:
         jls.value_and_grad(fun, jnp.float32(1.0))(jnp.array([1.0, 2.0], F32))
     assert str(info.value) == f"value_and_grad: fun must return a real floating scalar, got {shown}"
+
+
+def test_a_loss_returned_as_a_python_float_is_accepted_as_jax_accepts_it():
+    """jax.value_and_grad gives (1.0, zeros) for a constant Python float loss; so does this."""
+    params = jnp.array([1.0, 2.0], F32)
+    expected_value, expected_grads = jax.value_and_grad(lambda p: 1.0)(params)
+    value, grads = jls.value_and_grad(lambda p: 1.0, jnp.float32(8.0))(params)
+    assert type(value) is type(expected_value) is float
+    assert value == expected_value == 1.0
+    assert_bits_equal(grads, expected_grads)
+    assert_bits_equal(grads, jnp.zeros(2, F32))
+    (value, aux), grads = jls.value_and_grad(
+        lambda p: (2.5, "aux"), jnp.float32(8.0), has_aux=True
+    )(params)
+    assert (value, aux) == (2.5, "aux")
+    assert_bits_equal(grads, jnp.zeros(2, F32))
 
 
 # --- argnums, has_aux, using ------------------------------------------------------------------
@@ -394,6 +431,52 @@ def test_has_aux_returns_value_and_aux_untouched():
     assert aux["name"] == "mse"
     expected = jax.grad(lambda p: fun(p, x, y)[0].astype(F32) * 32.0)(params)
     assert_bits_equal(grads, expected)
+
+
+@pytest.mark.parametrize(
+    ("output", "shown"),
+    [
+        (
+            lambda p: p * 2,
+            "type <class 'jax._src.interpreters.ad.LinearizeTracer'> with value "
+            "GradTracer(primal=[2. 4.], typeof(tangent)=f32[2])",
+        ),
+        (
+            lambda p: jnp.sum(p),
+            "type <class 'jax._src.interpreters.ad.LinearizeTracer'> with value "
+            "GradTracer(primal=3.0, typeof(tangent)=f32[])",
+        ),
+        (
+            lambda p: (jnp.float32(1.0), 2, 3),
+            "type <class 'tuple'> with value (Array(1., dtype=float32), 2, 3)",
+        ),
+        (lambda p: {"loss": 1.0}, "type <class 'dict'> with value {'loss': 1.0}"),
+    ],
+    ids=["length_2_array", "scalar", "3_tuple", "dict"],
+)
+def test_has_aux_output_is_checked_as_jax_checks_it(output, shown):
+    """A length-2 array was unpacked as (value, aux): the gradients of its first element. A
+    scalar, a 3-tuple or a dict gave Python's unpacking errors. jax.value_and_grad raises a
+    TypeError for each, and so does this, with jax's message, naming has_aux."""
+    params = jnp.array([1.0, 2.0], F32)
+    with pytest.raises(TypeError, match="two-element tuple"):
+        jax.value_and_grad(output, has_aux=True)(params)
+    message = (
+        "value_and_grad(has_aux=True): expected function with aux output to return a "
+        f"two-element tuple, but got {shown}"
+    )
+    with pytest.raises(TypeError) as info:
+        jls.value_and_grad(output, jnp.float32(8.0), has_aux=True)(params)
+    assert str(info.value) == message  # jax adds a note on its frames
+
+
+def test_has_aux_accepts_a_list_of_two_as_jax_does():
+    params = jnp.array([1.0, 2.0], F32)
+    (value, aux), grads = jls.value_and_grad(
+        lambda p: [jnp.sum(p), "aux"], jnp.float32(8.0), has_aux=True
+    )(params)
+    assert (float(value), aux) == (3.0, "aux")
+    assert_bits_equal(grads, jnp.full(2, 8.0, F32))
 
 
 def test_using_eqx_filter_value_and_grad_on_an_equinox_model():
