@@ -1,3 +1,10 @@
-from benchmarks.run import main
+import sys
 
-main()
+if sys.argv[1:2] == ["bf16-weights"]:  # its own subcommand: python -m benchmarks bf16-weights
+    from benchmarks.bf16_weights import main as bf16_weights_main
+
+    bf16_weights_main(sys.argv[2:])
+else:
+    from benchmarks.run import main
+
+    main()

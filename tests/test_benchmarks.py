@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from benchmarks import gpt, run
 
@@ -119,3 +120,23 @@ def test_every_gpt_contender_trains_alike_and_the_skipping_ones_skip_a_non_finit
     reference = np.array(losses["bare"][:2])
     for name, values in losses.items():
         np.testing.assert_allclose(values[:2], reference, rtol=2**-10, err_msg=name)
+
+
+def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
+    from benchmarks import bf16_weights
+
+    path = tmp_path / "bf16.json"
+    argv = ["--steps", "6", "--block", "3", "--batch", "4", "--context", "4", "--embed", "4",
+            "--hidden", "8", "--json", str(path)]  # fmt: skip
+    results = bf16_weights.main(argv)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    rows = {row["contender"]: row for row in results["rows"]}
+    assert list(rows) == list(bf16_weights.CONTENDERS)
+    # params and adamw's moments, plus the scalars (adamw's count, the key) spread thin
+    bytes_per_param = [row["bytes_per_param"] for row in rows.values()]
+    assert bytes_per_param == pytest.approx([12.0, 6.0, 6.0, 8.0], abs=0.02)
+    assert rows["float32 master"]["loss_ratio_to_master"] == 1.0
+    assert rows["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
+    assert all(row["final_loss"] > 0 and row["step_seconds"] > 0 for row in rows.values())
+    assert results["command"].startswith("python -m benchmarks bf16-weights --steps 6")
+    assert "bf16 + stochastic_rounding |" in capsys.readouterr().out
