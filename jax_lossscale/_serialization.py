@@ -4,6 +4,10 @@ import inspect
 import numbers
 from typing import Any, TypeVar, cast
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jax_lossscale._base import LossScale
 from jax_lossscale._checks import describe
 from jax_lossscale._dynamic import DynamicLossScale
@@ -101,19 +105,25 @@ def deserialize(config: dict[str, Any]) -> LossScale:
 def get(identifier: Any) -> LossScale | None:
     """Turns a loss-scale identifier into a loss scale.
 
-    `None` gives `None`; a number gives `FixedLossScale(number)`; `"dynamic"`
-    gives `DynamicLossScale()`; a dict is passed to `deserialize`; a `LossScale`
-    is returned as it is.
+    `None` gives `None`; a number (or a concrete scalar array) gives
+    `FixedLossScale(number)`; `"dynamic"` gives `DynamicLossScale()`; a dict is passed to
+    `deserialize`; a `LossScale` is returned as it is.
 
     Examples:
+      >>> import jax.numpy as jnp
       >>> import jax_lossscale as jls
       >>> jls.get(1024)
       FixedLossScale(loss_scale_value=1024.0)
+      >>> jls.get(jnp.asarray(2.0**15))  # a concrete scalar array, as jmp writes its scales
+      FixedLossScale(loss_scale_value=32768.0)
       >>> jls.get("dynamic") == jls.DynamicLossScale()
       True
     """
     if identifier is None or isinstance(identifier, LossScale):
         return identifier
+    if _is_real_scalar_array(identifier):
+        # FixedLossScale reads the number a concrete array holds and refuses a traced one.
+        return FixedLossScale(identifier)
     if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
         # FixedLossScale takes any real number, checks it and keeps it as the float it is typed.
         return FixedLossScale(cast(float, identifier))
@@ -124,6 +134,14 @@ def get(identifier: Any) -> LossScale | None:
     raise ValueError(
         f"get(identifier={describe(identifier, limit=None)}): identifier must be None, a "
         "number, 'dynamic', a dict from serialize() or a LossScale"
+    )
+
+
+def _is_real_scalar_array(value: Any) -> bool:
+    return (
+        isinstance(value, jax.Array | np.ndarray | np.generic)
+        and np.ndim(value) == 0
+        and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))
     )
 
 

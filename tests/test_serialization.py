@@ -468,6 +468,28 @@ def test_get(identifier, expected):
     _assert_same_loss_scale(ls, expected)
 
 
+@pytest.mark.parametrize(
+    "identifier",
+    [
+        jnp.asarray(2.0**15),
+        jnp.float32(2.0**15),
+        np.array(2.0**15),
+        np.float64(2.0**15),
+        np.int32(32768),
+    ],
+    ids=repr,
+)
+def test_get_takes_a_concrete_scalar_array_as_the_number_it_holds(identifier):
+    """jmp writes its scales as arrays (`jnp.asarray(2.**15)`); `get` reads them as numbers."""
+    _assert_same_loss_scale(jls.get(identifier), jls.FixedLossScale(32768.0))
+
+
+def test_get_of_a_traced_scalar_says_hyperparameters_are_static():
+    with pytest.raises(TypeError, match="static Python number") as excinfo:
+        jax.jit(jls.get)(jnp.float32(4.0))
+    assert str(excinfo.value).startswith("FixedLossScale(loss_scale_value=")
+
+
 def test_get_passes_none_and_loss_scales_through():
     assert jls.get(None) is None
     for ls in [
@@ -492,8 +514,8 @@ def test_get_passes_none_and_loss_scales_through():
         (1024,),
         {1024},
         object(),
-        jnp.float32(4.0),
-        np.array(4.0),
+        jnp.ones(2),
+        np.array([4.0]),
         1 + 0j,
         jls.DynamicLossScale,
     ],
