@@ -77,7 +77,7 @@ def _key_data(tree: PyTree) -> PyTree:
     """`tree` with its typed PRNG key arrays replaced by their data, for the leaf checks."""
 
     def data(leaf: Any) -> Any:
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             return jax.random.key_data(leaf)
         return leaf
 
