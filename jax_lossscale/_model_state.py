@@ -23,7 +23,8 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
     Args:
       opt_state: the optax state (or flax nnx `Optimizer`) after this step's update,
         holding one `LossScaledState`, found as by `get_loss_scale`.
-      new: the model state after this step's forward pass.
+      new: the model state after this step's forward pass: arrays of any numeric or
+        boolean dtype, and typed PRNG keys (an nnx model's `RngKey`s).
       old: the model state before it; a pytree of the same structure, shapes and
         dtypes as `new`.
 
@@ -47,8 +48,9 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
             f"where_applied: the last_step_applied of opt_state has shape {jnp.shape(applied)}; "
             "call it inside the step (inside pmap, where a replicated state is scalar)"
         )
-    check_array_leaves(new, arg_name="new", caller="where_applied")
-    check_array_leaves(old, arg_name="old", caller="where_applied")
+    # Typed PRNG keys (the RNG state of an nnx model with Dropout) are selected as any array.
+    check_array_leaves(_key_data(new), arg_name="new", caller="where_applied")
+    check_array_leaves(_key_data(old), arg_name="old", caller="where_applied")
     new_leaves, structure = jax.tree_util.tree_flatten_with_path(new)
     # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `!=` type-checks.
     old_structure: jax.tree_util.PyTreeDef = jax.tree.structure(old)
@@ -69,3 +71,14 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
         for (_, new_leaf), old_leaf in zip(new_leaves, old_leaves, strict=True)
     ]
     return jax.tree.unflatten(structure, kept)
+
+
+def _key_data(tree: PyTree) -> PyTree:
+    """`tree` with its typed PRNG key arrays replaced by their data, for the leaf checks."""
+
+    def data(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(leaf)
+        return leaf
+
+    return jax.tree.map(data, tree)

@@ -239,3 +239,55 @@ def test_a_replicated_state_outside_pmap_is_refused():
     replicated = jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), tx.init(params))
     with pytest.raises(ValueError, match=r"has shape \(2,\); call it inside the step"):
         jls.where_applied(replicated, {"a": jnp.ones(2)}, {"a": jnp.ones(2)})
+
+
+class _NnxDropoutNet(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 8, rngs=rngs)
+        self.batch_norm = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(self.batch_norm(self.dense(x))))
+
+
+def test_nnx_state_not_param_with_a_dropouts_rng_key_is_kept_on_a_skipped_step():
+    """`nnx.state(model, nnx.Not(nnx.Param))` of a model with Dropout holds its RNG key
+    (`key<fry>`), which was refused: every leaf had to be numeric. Typed keys are selected as
+    any array: on the skipped step the statistics, the key and the counter are the old ones."""
+    model = _NnxDropoutNet(nnx.Rngs(params=2, dropout=5))
+    optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    not_params = nnx.Not(nnx.Param)
+    kinds = {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, not_params))}
+    assert "key<fry>" in kinds
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        old = jax.tree.map(jnp.copy, nnx.state(model, not_params))
+        scale = jls.get_loss_scale(optimizer)
+        grads = nnx.grad(lambda model: jnp.mean((model(x) - y) ** 2) * scale)(model)
+        optimizer.update(model, grads)
+        new = nnx.state(model, not_params)
+        unkept = jax.tree.map(jnp.copy, new)
+        nnx.update(model, jls.where_applied(optimizer, new, old))
+        return unkept
+
+    def key_data(state):  # keys as their uint32 data, to compare bits
+        is_key = lambda a: jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)  # noqa: E731
+        return jax.tree.map(lambda a: jax.random.key_data(a) if is_key(a) else a, state)
+
+    train_step(model, optimizer, X, Y)
+    before = jax.tree.map(np.array, key_data(nnx.state(model, not_params)))
+    unkept = key_data(train_step(model, optimizer, X_INF, Y))
+    after = key_data(nnx.state(model, not_params))
+    assert_bits_equal(after, before)
+    assert not _finite(unkept)  # the forward pass made the statistics inf
+    assert int(jls.get_loss_scale_stats(optimizer).skipped_steps) == 1
+    # An applied step takes the new key and counter.
+    train_step(model, optimizer, X, Y)
+    moved = key_data(nnx.state(model, not_params))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(before), strict=True)
+    )
