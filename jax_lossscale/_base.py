@@ -82,9 +82,11 @@ class LossScale(abc.ABC):
 
     @property
     def _checks_scaled_gradients(self) -> bool:
-        """Whether `loss_scaled` may check the scaled gradients and call `_update_given_finite`
-        instead of unscaling for `update`: true for a built-in loss scale whose scale is
-        never below 1, under which a finite scaled gradient stays finite when unscaled."""
+        """Whether `loss_scaled` may check the gradients in its own pass (the scaled ones,
+        each entry times the reciprocal of the scale the state holds, which gives the
+        unscaled gradients' flags and norm at any scale) and call `_update_given_finite`
+        instead of unscaling for `update`: true for a built-in loss scale, whose `update`
+        reads nothing but whether the gradients are finite."""
         return False
 
     def _update_given_finite(self, state: PyTree, finite: jax.Array) -> tuple[PyTree, jax.Array]:

@@ -173,7 +173,7 @@ class DynamicLossScale(LossScale):
 
     @property
     def _checks_scaled_gradients(self) -> bool:
-        return self.min_loss_scale >= 1 and type(self).update is DynamicLossScale.update
+        return type(self).update is DynamicLossScale.update
 
     def _update_given_finite(
         self, state: DynamicLossScaleState, finite: jax.Array

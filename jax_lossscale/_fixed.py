@@ -81,7 +81,7 @@ class FixedLossScale(LossScale):
 
     @property
     def _checks_scaled_gradients(self) -> bool:
-        return type(self).update is FixedLossScale.update  # the scale is >= 1
+        return type(self).update is FixedLossScale.update
 
     def _update_given_finite(
         self, state: FixedLossScaleState, finite: jax.Array

@@ -125,11 +125,12 @@ def loss_scaled(
         scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
         loss = spike_rule.loss(extra_args.get("value"))
 
-        # Check. Unscaling by a scale of 1 or more leaves finite gradients finite, so where
-        # the skip is made by selects, a built-in loss scale that never goes below 1 has the
-        # scaled gradients checked and the norm unscaled once (docs/design.md says why only
-        # there); other loss scales get the unscaled gradients, whose sums for the norm are
-        # the check's own (XLA makes them once).
+        # Check. Where the skip is made by selects, a built-in loss scale has the scaled
+        # gradients read once, each entry times the reciprocal of the scale the state holds
+        # inside the pass: the flags and the norm are the unscaled gradients' at any scale,
+        # and no unscaled copy is made (docs/design.md says why only there). Other loss
+        # scales get the unscaled gradients, whose sums for the norm are the check's own
+        # (XLA makes them once).
         select = skips_by_select(state.inner_state, scaled_grads)
         if select and loss_scale._checks_scaled_gradients:
             scale = loss_scale._checked_scale(state.loss_scale_state)
@@ -146,7 +147,7 @@ def loss_scaled(
             check = meta.joined(check_gradients(grads, axis_name))
         grad_norm, grads_finite = check.norm, check.finite
         if loss is not None and axis_name is not None:
-            loss = jax.lax.pmean(loss, axis_name)
+            loss = _mean_over(loss, axis_name)
 
         spike = spike_rule.is_spike(grad_norm, loss, state.spike_windows)
         if spike is None:  # the loss scale alone decides (XLA folds a FixedLossScale's cond)
@@ -182,6 +183,22 @@ def loss_scaled(
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _mean_over(value: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The mean of `value` over `axis_name`, the same on every device.
+
+    Under `shard_map`, a value (a data-parallel loss) may vary over some of the axes only
+    (over "data" of ("data", "model")); `psum` refuses such a mix, so the mean is taken over
+    the axes it varies over, and it is already the same along the others. Where nothing
+    says which axes it varies over (`pmap`, or `check_vma=False`), over all of them.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
+    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
+    axes = tuple(name for name in names if name in varying) or axis_name
+    mean: jax.Array = jax.lax.pmean(value, axes)
+    return mean
 
 
 def _widened(

@@ -52,66 +52,76 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
-    totals, _ = square_sums_and_nans(floating_parts(tree), unsharded(axis_name))
-    return _finite(totals, axis_name)
+    totals, infs = square_sums_and_infs(floating_parts(tree), unsharded(axis_name))
+    return _finite(totals, infs, axis_name)
 
 
 def unsharded(axis_name: AxisName | None) -> bool:
-    """Whether no array can be sharded over devices here, so that `square_sums_and_nans`
+    """Whether no array can be sharded over devices here, so that `square_sums_and_infs`
     may take one pass: one device in the process, or inside `pmap` or `shard_map`."""
     return axis_name is not None or jax.device_count() == 1
 
 
-def _finite(totals: list[jax.Array], axis_name: AxisName | None) -> jax.Array:
-    """Whether no sum of `square_sums_and_nans` is NaN, combined over `axis_name`."""
-    flags = [~jnp.isnan(total) for total in totals]
+def _finite(
+    totals: list[jax.Array], infs: list[jax.Array], axis_name: AxisName | None
+) -> jax.Array:
+    """Whether no part of `square_sums_and_infs` holds a NaN or an infinity, combined over
+    `axis_name`."""
+    flags = [~jnp.isnan(total) & ~inf for total, inf in zip(totals, infs, strict=True)]
     finite = jnp.stack(flags).all() if flags else jnp.array(True)
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
     return finite
 
 
-def square_sums_and_nans(
-    parts: list[jax.Array], one_pass: bool = True
+def square_sums_and_infs(
+    parts: list[jax.Array], one_pass: bool = True, factor: jax.Array | None = None
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per part, the sum of `x * (x + (x - x))` over its entries, in float32 or wider, and
-    whether an entry is NaN.
+    """Per part, the sum of `|x| * |x|` over its entries `x` (each times `factor`, a
+    positive float32 scalar, if given), in float32 or wider, and whether an entry is
+    +-inf.
 
     The pass over the gradients that the finite check, the gradient norm and the NaN count
-    of skipped steps read: `x - x` is 0 for a finite `x` and NaN for +-inf and NaN, so a
-    sum is NaN exactly when its part holds a non-finite entry (its other terms are >= 0,
-    and squares too large for the dtype only make it +inf). Otherwise it is the part's
-    squared L2 norm. The NaN flag tells a NaN from an infinity, which the sum cannot.
-    (Written so, not as `x**2 + (x - x)`, so that XLA does not share the square with an
-    optimizer's own `g**2` and keep it in memory for both.)
+    of skipped steps read. A sum is NaN exactly when its part holds a NaN (its terms are
+    >= 0 or +inf, so no infinity cancels another), +inf when it holds an infinity or
+    finite squares too large for the dtype, and otherwise the part's squared L2 norm.
+    The flag tells an infinity from squares that overflow, which the sum cannot. Nothing
+    here makes a NaN from a value that is not one (no `x - x`, no `inf * 0`), so
+    `jax_debug_nans` finds the op that made it. (The square is written with `|x|`, which
+    the flag reads too, not as `x * x`, so that XLA does not share it with an optimizer's
+    own `g**2` and keep it in memory for both.)
+
+    With `factor`, the entries are multiplied by it first: with the reciprocal of the
+    loss scale, the sums and the flags are those of the unscaled gradients, which then
+    need not exist in memory, and the norm is right at every scale.
 
     With `one_pass`, both come from one variadic reduction, which writes nothing and, on
     a CPU, takes as long as the sum alone; but XLA's SPMD partitioner gathers the partial
     results of a variadic reduction where it all-reduces a sum. Where a part may be
-    sharded across devices, `one_pass=False` gives two reductions, the flag's from
-    squares that are NaN only for a NaN.
+    sharded across devices, `one_pass=False` gives two sums, the flag's a count.
     """
-    totals, nans = [], []
+    totals, infs = [], []
     for part in parts:
         # No gradient flows through a check; a variadic reduction has no derivative rule.
         wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
-        terms = wide * (wide + jnp.subtract(wide, wide))
+        if factor is not None:
+            wide = wide * factor.astype(wide.dtype)
+        magnitude = jnp.abs(wide)
+        terms = magnitude * magnitude
         if one_pass:
-            total, has_nan = jax.lax.reduce(
-                (terms, jnp.isnan(wide)),
+            total, has_inf = jax.lax.reduce(
+                (terms, magnitude == np.inf),
                 (np.zeros((), wide.dtype), np.bool_(False)),
                 _add_and_or,
                 tuple(range(wide.ndim)),
             )
-            # No value changes (a NaN entry has made the sum NaN), but a reader of the sum
-            # alone (a loss scale's own check) then reads the whole reduction, which XLA
-            # computes once for it and for the norm, instead of shrinking a copy to the sum.
-            total = jnp.where(has_nan, np.array(np.nan, total.dtype), total)
         else:
-            total, has_nan = jnp.sum(terms), jnp.isnan(jnp.sum(jnp.square(wide)))
+            # A count of infinities, a float sum as the partitioner all-reduces the total.
+            infinities = jnp.sum((magnitude == np.inf).astype(wide.dtype))
+            total, has_inf = jnp.sum(terms), infinities > 0
         totals.append(total)
-        nans.append(has_nan)
-    return totals, nans
+        infs.append(has_inf)
+    return totals, infs
 
 
 def _add_and_or(
@@ -123,7 +133,7 @@ def _add_and_or(
 class GradientCheck(NamedTuple):
     """What one pass over the gradients tells, the same on every device of `axis_name`."""
 
-    norm: jax.Array  # float32 L2 norm: NaN when not finite, +inf when finite squares overflow
+    norm: jax.Array  # float32 L2 norm: NaN for a NaN, +inf for an infinity or an overflow
     finite: jax.Array  # bool: no NaN, +inf or -inf
     has_nan: jax.Array  # bool: a NaN (on some device)
 
@@ -134,12 +144,13 @@ def check_gradients(
     """The float32 L2 norm of the floating leaves of `tree`, whether they are finite and
     whether one holds a NaN.
 
-    With `divisor`, the norm of `tree / divisor`, the sums taken over `tree` itself and
-    their root divided: exact for a power-of-two `divisor`, and no pass over `tree` has
-    to multiply (on a CPU, XLA's fastest reductions take no scaled input). Dividing by a
-    positive finite `divisor` makes no NaN, so the flags are those of `tree / divisor`.
+    With `divisor` (a positive float32 scalar), all three are those of `tree / divisor`,
+    each entry multiplied by the reciprocal of `divisor` inside the pass (in two factors,
+    as `divide_floating` takes it, the second applied to the norm): at any scale, the
+    flags are those of the unscaled gradients and the norm is right wherever the
+    unscaled gradients' is, though `tree / divisor` is never written out.
 
-    From `square_sums_and_nans`, the same reductions as `finite_flag`'s, which XLA
+    From `square_sums_and_infs`, the same reductions as `finite_flag`'s, which XLA
     computes once for both. With `axis_name`, under `shard_map` a leaf that varies over
     the axis is a shard of the global gradient, so its squares are summed over the axis,
     and a leaf the same on every device is counted once. `pmap` (and `shard_map` with
@@ -149,16 +160,18 @@ def check_gradients(
     held by any of them.
     """
     parts = floating_parts(tree)
-    totals, nans = square_sums_and_nans(parts, unsharded(axis_name))
-    finite = _finite(totals, axis_name)
+    factor, correction = (None, None) if divisor is None else reciprocal_factors(divisor)
+    totals, infs = square_sums_and_infs(parts, unsharded(axis_name), factor)
+    finite = _finite(totals, infs, axis_name)
+    nans = [jnp.isnan(total) for total in totals]
     has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
     if axis_name is not None:
         has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
     if not totals:
         return GradientCheck(jnp.zeros([], jnp.float32), finite, has_nan)
     if axis_name is None:
-        norm = _divided(jnp.sqrt(sum(totals)).astype(jnp.float32), divisor)
-        return GradientCheck(norm, finite, has_nan)
+        norm = jnp.sqrt(sum(totals)).astype(jnp.float32)
+        return GradientCheck(_corrected(norm, correction), finite, has_nan)
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
     for part, total in zip(parts, totals, strict=True):
@@ -169,12 +182,13 @@ def check_gradients(
         jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
     ]
     norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
-    norm = _divided(norm, divisor)
-    return GradientCheck(jnp.where(finite, norm, np.float32(np.nan)), finite, has_nan)
+    # A maximum may drop a NaN (XLA's on a CPU does); the flag, combined, restores it.
+    norm = jnp.where(has_nan, np.float32(np.nan), _corrected(norm, correction))
+    return GradientCheck(norm, finite, has_nan)
 
 
-def _divided(norm: jax.Array, divisor: jax.Array | None) -> jax.Array:
-    return norm if divisor is None else cast(jax.Array, divide_floating(norm, divisor))
+def _corrected(norm: jax.Array, correction: jax.Array | None) -> jax.Array:
+    return norm if correction is None else norm * correction
 
 
 def wide_dtype(dtype: Any) -> Any:

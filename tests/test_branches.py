@@ -287,7 +287,9 @@ def test_sgd_with_momentum_skips_nan_and_inf_batches_keeping_every_bit(jit_or_ea
         return optax.apply_updates(params, updates), opt_state
 
     step = jax.jit(step, donate_argnums=(0, 1)) if jit_or_eager is jax.jit else step
-    params = {"w": jnp.array([1.0, -2.0, 0.0]), "h": jnp.array([0.5, -0.5], jnp.float16)}
+    # Float16 gradients come back float32, so a float16 param's momentum would become float32
+    # after the first step (as bare optax makes it from float32 gradients) and retrace.
+    params = {"w": jnp.array([1.0, -2.0, 0.0]), "h": jnp.array([0.5, -0.5], jnp.float32)}
     opt_state = tx.init(params)
     finite = {"w": jnp.array([8.0, 4.0, -8.0]), "h": jnp.array([2.0, 8.0], jnp.float16)}
     params, opt_state = step(params, opt_state, finite)

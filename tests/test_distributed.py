@@ -568,3 +568,50 @@ def test_a_float16_mean_of_scaled_gradients_overflows_where_a_float32_one_does_n
         assert stats.inf_skipped_steps.tolist() == [1, 1]
         np.testing.assert_array_equal(params["w"], np.ones((2, 4), np.float16))
         assert stats.loss_scale.tolist() == [2.0**14] * 2
+
+
+def test_a_loss_varying_over_one_axis_of_a_two_axis_mesh_is_averaged_over_it():
+    """`shard_map` over ("data", "model") with `axis_name=("data", "model")` and
+    `skip_spike_sigmas`: the loss passed as `value=` varies over "data" only, as a
+    data-parallel loss does. Its mean is taken over "data" (the global mean, 1.20703125,
+    enters every device's window) and the step is the single-device step."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    tx = jls.loss_scaled(
+        optax.sgd(0.1),
+        jls.DynamicLossScale(2.0**4),
+        axis_name=("data", "model"),
+        skip_spike_sigmas=3.0,
+        spike_window=4,
+    )
+    params = {"w": jnp.ones((2, 2))}
+    x = jnp.arange(16.0).reshape(8, 2) / 16
+
+    def loss_fn(params, x):
+        return jnp.mean((x @ params["w"]) ** 2)
+
+    def step(params, opt_state, x):
+        scale = jls.get_loss_scale(opt_state)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x) * scale)(params)
+        # The params are replicated: their gradient comes summed over "data" (4 shards).
+        grads = jax.tree.map(lambda g: g / 4, grads)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss / scale)
+        return optax.apply_updates(params, updates), opt_state
+
+    replicated = PartitionSpec()
+    mapped = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(replicated, replicated, PartitionSpec("data")),
+            out_specs=(replicated, replicated),
+        )
+    )
+    new_params, opt_state = mapped(params, tx.init(params), x)
+
+    losses = opt_state.spike_windows.loss
+    assert (float(losses.values[0]), int(losses.filled)) == (1.20703125, 1)
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 0
+    expected = optax.apply_updates(
+        params, jax.tree.map(lambda g: -0.1 * g, jax.grad(loss_fn)(params, x))
+    )
+    chex.assert_trees_all_close(new_params, expected, rtol=1e-6)

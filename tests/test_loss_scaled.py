@@ -3,6 +3,7 @@
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 import chex
@@ -117,6 +118,99 @@ def test_a_scale_below_one_unscales_float16_to_a_finite_float32(jit_or_eager):
     stats = jls.get_loss_scale_stats(opt_state)
     assert (float(stats.loss_scale), int(stats.skipped_steps)) == (0.5, 0)
     assert stats.grad_norm == np.float32(np.hypot(80000.0, 2.0))
+
+
+ONE_PASS_INNERS = {
+    "sgd": lambda: optax.sgd(1e-3),
+    "momentum": lambda: optax.sgd(1e-3, momentum=0.9),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "MultiSteps(sgd)": lambda: optax.MultiSteps(optax.sgd(1e-3), 2),
+    "adam": lambda: optax.adam(1e-3),
+}
+
+
+@pytest.mark.parametrize("make_inner", ONE_PASS_INNERS.values(), ids=ONE_PASS_INNERS.keys())
+def test_grad_norm_does_not_overflow_at_a_scale_of_2_pow_70(jit_or_eager, make_inner):
+    """A true norm of 1.0 at a scale of 2**70: the scaled gradients' squares overflow
+    float32 (2**140), the unscaled ones' do not. grad_norm is 1.0 for every optimizer,
+    and with `skip_grad_norm_above=10` the step is applied, not taken for a spike."""
+    tx = jls.loss_scaled(make_inner(), jls.DynamicLossScale(2.0**70), skip_grad_norm_above=10.0)
+    params = {"w": jnp.zeros((2, 2))}
+    grads = {"w": jnp.array([[0.6, 0.0], [0.0, 0.8]]) * np.float32(2.0**70)}
+    _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert (float(stats.grad_norm), int(stats.skipped_steps)) == (1.0, 0)
+
+
+def test_a_resumed_scale_below_one_checks_what_the_state_holds(jit_or_eager):
+    """A state saved at a scale of 0.5 (`min_loss_scale=0.25`), resumed under the default
+    `min_loss_scale=1`: the check follows the scale the state holds. A float32 gradient of
+    3e38 is finite scaled and inf unscaled: the step is skipped, as under the settings it
+    was saved with, and the params stay finite. A float16 gradient of 40000 is 80000
+    unscaled, a finite float32: applied under both."""
+    saved = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(0.5, min_loss_scale=0.25))
+    resumed = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale())
+    params = {"w": jnp.array([1.0, 2.0])}
+    opt_state = saved.init(params)
+    outcomes = {}
+    for dtype, big in [(jnp.float32, 3e38), (jnp.float16, 40000.0)]:
+        grads = {"w": jnp.array([big, 1.0], dtype)}
+        for name, tx in [("saved", saved), ("resumed", resumed)]:
+            updates, new_state = jit_or_eager(tx.update, grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            stats = jls.get_loss_scale_stats(new_state)
+            outcomes[jnp.dtype(dtype).name, name] = (
+                new_params["w"].tolist(),
+                int(stats.skipped_steps),
+                float(stats.loss_scale),
+            )
+    assert outcomes == {
+        ("float32", "saved"): ([1.0, 2.0], 1, 0.25),
+        ("float32", "resumed"): ([1.0, 2.0], 1, 1.0),
+        ("float16", "saved"): ([-79999.0, 0.0], 0, 0.5),
+        ("float16", "resumed"): ([-79999.0, 0.0], 0, 1.0),
+    }
+
+
+@pytest.fixture
+def debug_nans():
+    jax.config.update("jax_debug_nans", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_debug_nans", False)
+
+
+def test_the_readme_quick_start_runs_under_jax_debug_nans(debug_nans):
+    """`jax_debug_nans` raises where an op makes a NaN: an ordinary overflow (the quick
+    start's first step, gradients holding -inf and no NaN) must not make one."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("<!-- --8<-- [start:quickstart] -->")
+    code = readme[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    opt_state = namespace["opt_state"]
+    assert float(jls.get_loss_scale(opt_state)) == 16384.0
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
+
+
+@pytest.mark.parametrize("make_inner", [optax.sgd, optax.adam], ids=["sgd", "adam"])
+@pytest.mark.parametrize("spikes", [False, True], ids=["no spike option", "spike option"])
+def test_an_infinite_gradient_gives_an_infinite_norm_and_no_nan(
+    jit_or_eager, debug_nans, make_inner, spikes
+):
+    """Under `jax_debug_nans`, a gradient holding +-inf (no NaN) is skipped as an inf step,
+    its grad_norm +inf, not NaN, for the sgd-type pass and adam's."""
+    options = {"skip_grad_norm_above": 1e6} if spikes else {}
+    tx = jls.loss_scaled(make_inner(0.1), jls.DynamicLossScale(2.0**15), **options)
+    params = {"w": jnp.ones(3), "b": jnp.ones((2, 2))}
+    grads = {"w": jnp.array([1.0, -jnp.inf, jnp.inf]), "b": jnp.ones((2, 2))}
+    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    stats = jls.get_loss_scale_stats(opt_state)
+    assert float(stats.grad_norm) == np.inf
+    assert (int(stats.inf_skipped_steps), int(stats.nan_skipped_steps)) == (1, 0)
+    assert_bits_equal(optax.apply_updates(params, updates), params)
 
 
 def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eager):

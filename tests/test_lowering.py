@@ -69,14 +69,14 @@ CUSTOM_CALL_TARGETS: set[str] = set()
 # Under SPMD on 8 devices, compiled on CPU: the all-reduces of the step, each as (where,
 # float32 scalars it reduces, distinct operands among them); all of them run on every step,
 # in one combined all-reduce in the entry computation. Each of the 3 sharded gradient leaves
-# gives one partial sum per reduction. Where leaves may be sharded, the NaN flag has a sum of
+# gives one partial sum per reduction. Where leaves may be sharded, the inf flag has a sum of
 # its own beside the check's (3 more operands). Under adam (a cond) DynamicLossScale's finite
 # check and the global norm share their local reductions of the unscaled gradients, yet the
-# partitioner all-reduces those three partial sums twice (9 operands, 6 distinct). Under sgd
+# partitioner all-reduces those six partial sums twice (12 operands, 6 distinct). Under sgd
 # (selects) the check reads the scaled gradients and its sums are all-reduced once (6). A
 # FixedLossScale needs the norm alone (3). The replicated leaf "g" and the replicated spike
 # windows need none.
-_ONCE, _TWICE = [("entry", 6, 6)], [("entry", 9, 6)]
+_ONCE, _TWICE = [("entry", 6, 6)], [("entry", 12, 6)]
 ALL_REDUCES = {
     optimizer: {
         "bare": [],

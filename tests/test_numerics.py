@@ -22,7 +22,7 @@ from jax_lossscale._numerics import (
     SMALL_PART,
     check_gradients,
     floating_parts,
-    square_sums_and_nans,
+    square_sums_and_infs,
     unsharded,
 )
 
@@ -396,44 +396,46 @@ def test_one_device_joins_small_leaves_and_still_finds_each_nan_and_inf():
     assert report["reductions"] == 2 + 4
 
 
-# Parts as `floating_parts` gives them, each with its expected (sum of squares, NaN flag): the
-# sum is NaN for any non-finite entry, +inf for finite squares that overflow, and the flag
-# is set for a NaN alone. Sums are in float32 (float16, bfloat16 and float8 parts widened).
+# Parts as `floating_parts` gives them, each with its expected (sum of squares, inf flag): the
+# sum is NaN for a NaN entry, +inf for an infinity or finite squares that overflow, and the
+# flag is set for an infinity alone. Sums are in float32 (float16, bfloat16 and float8
+# parts widened).
 CHECKED_PARTS = {
     "finite": (np.array([3.0, -4.0], np.float32), 25.0, False),
-    "nan": (np.array([1.0, np.nan], np.float32), np.nan, True),
-    "inf": (np.array([1.0, np.inf], np.float32), np.nan, False),
-    "-inf": (np.array([[1.0], [-np.inf]], np.float32), np.nan, False),
+    "nan": (np.array([1.0, np.nan], np.float32), np.nan, False),
+    "inf": (np.array([1.0, np.inf], np.float32), np.inf, True),
+    "-inf": (np.array([[1.0], [-np.inf]], np.float32), np.inf, True),
     "nan and inf": (np.array([np.inf, np.nan, 2.0], np.float32), np.nan, True),
     "squares overflow": (np.array([2e19, 1.0], np.float32), np.inf, False),
     "float16": (np.array([256.0, 2.0], np.float16), 65540.0, False),
-    "float16 inf": (np.array([65504.0, np.inf], np.float16), np.nan, False),
-    "bfloat16 nan": (np.array([0.5, np.nan], jnp.bfloat16), np.nan, True),
-    "float8 nan": (np.array([448.0, np.nan], jnp.float8_e4m3fn), np.nan, True),
+    "float16 inf": (np.array([65504.0, np.inf], np.float16), np.inf, True),
+    "bfloat16 nan": (np.array([0.5, np.nan], jnp.bfloat16), np.nan, False),
+    "float8 nan": (np.array([448.0, np.nan], jnp.float8_e4m3fn), np.nan, False),
     "float8 max": (np.array([448.0, 2.0], jnp.float8_e4m3fn), 200708.0, False),
 }
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one pass", "two passes"])
 @pytest.mark.parametrize("name", CHECKED_PARTS)
-def test_square_sums_and_nans_tell_a_nan_from_an_infinity(name, one_pass):
-    """Both formulations, jitted, give each part's sum (NaN for a non-finite entry, +inf when
-    finite squares overflow) and its NaN flag, an infinity not counting as a NaN."""
-    part, total, has_nan = CHECKED_PARTS[name]
-    totals, nans = jax.jit(lambda p: square_sums_and_nans([p], one_pass))(part)
+def test_square_sums_and_infs_tell_an_infinity_from_an_overflow(name, one_pass):
+    """Both formulations, jitted, give each part's sum (NaN for a NaN entry, +inf for an
+    infinity or finite squares that overflow) and its inf flag, set by an infinity alone."""
+    part, total, has_inf = CHECKED_PARTS[name]
+    totals, infs = jax.jit(lambda p: square_sums_and_infs([p], one_pass))(part)
     assert totals[0].dtype == jnp.float32
     np.testing.assert_array_equal(totals[0], np.float32(total))
-    assert bool(nans[0]) is has_nan
+    assert bool(infs[0]) is has_inf
 
 
 def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
     """Compiled for a CPU, one pass over three parts (a float32 matrix, a float16 vector, a
-    bfloat16 vector) is three reductions, each with the sum and the NaN flag as results; two
-    passes, where leaves may be sharded, are six."""
+    bfloat16 vector) is three reductions, each with the sum and the inf flag as results; two
+    passes, where leaves may be sharded, are six sums: three of squares, three counts of
+    infinities."""
     parts = [jnp.ones((64, 32)), jnp.ones(100, jnp.float16), jnp.ones(7, jnp.bfloat16)]
 
     def reductions(one_pass):
-        text = jax.jit(lambda p: square_sums_and_nans(p, one_pass)).lower(parts).compile()
+        text = jax.jit(lambda p: square_sums_and_infs(p, one_pass)).lower(parts).compile()
         return compiled_reductions(text.as_text())
 
     assert reductions(True) == ["(f32[], pred[])"] * 3
