@@ -11,7 +11,7 @@ from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import check_gradients
+from jax_lossscale._numerics import check_gradients, unscaled_dtype
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -103,7 +103,7 @@ def loss_scaled(
     meta_leaves = MetaLeaves(fp8_meta)  # fp8 scales and amax histories: _fp8_meta.py
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        inner_state = inner.init(meta_leaves.without(params))
+        inner_state = inner.init(_as_gradients_come(meta_leaves.without(params)))
         if wrapper_states(inner_state):
             raise ValueError(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
@@ -199,6 +199,20 @@ def _mean_over(value: jax.Array, axis_name: AxisName) -> jax.Array:
     axes = tuple(name for name in names if name in varying) or axis_name
     mean: jax.Array = jax.lax.pmean(value, axes)
     return mean
+
+
+def _as_gradients_come(params: optax.Params) -> optax.Params:
+    """`params` with each float16 leaf as float32, the dtype its unscaled gradients take: the
+    inner state (adam's moments, MultiSteps' sums) is made in the dtype its updates give
+    it, so a step keeps the state's types (a `lax.scan` carry, a donated buffer)."""
+
+    def as_gradient_comes(param: Any) -> Any:
+        if getattr(param, "dtype", None) == jnp.float16:
+            return jnp.asarray(param, unscaled_dtype(param.dtype))
+        return param
+
+    widened: optax.Params = jax.tree.map(as_gradient_comes, params)
+    return widened
 
 
 def _widened(

@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_lossscale as jls
@@ -305,3 +306,33 @@ def test_unscale_by_a_scale_whose_reciprocal_is_subnormal(jit_or_eager, scale):
     np.testing.assert_allclose(unscaled["w"], [0.5, -1.0, 0.0], rtol=2e-7)
     if scale != 3.0 * 2.0**126:  # powers of two unscale exactly
         np.testing.assert_array_equal(unscaled["w"], np.array([0.5, -1.0, 0.0], np.float32))
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.adam(1e-3), optax.MultiSteps(optax.sgd(0.1, momentum=0.9), 2)],
+    ids=["adam", "MultiSteps(momentum)"],
+)
+def test_float16_params_keep_the_state_types_from_init_on_so_a_scan_carries_them(inner):
+    """Unscaled float16 gradients are float32, and the inner state is made float32 for them
+    at init: a `lax.scan` over steps (whose carry must keep its types) runs, as bare optax's
+    does, and a skip and an applied step give the state the same types."""
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(2.0**10))
+    params = {"w": jnp.ones(3, jnp.float16), "b": jnp.zeros(2, jnp.float32)}
+    opt_state = tx.init(params)
+    moments = [leaf for leaf in jax.tree.leaves(opt_state.inner_state) if jnp.ndim(leaf) == 1]
+    assert sorted(str(leaf.dtype) for leaf in moments) == ["float32"] * len(moments)
+
+    def step(carry, x):
+        params, opt_state = carry
+        scale = jls.get_loss_scale(opt_state).astype(jnp.float16)
+        grads = jax.grad(lambda p: (jnp.sum(p["w"] * x) + jnp.sum(p["b"])) * scale)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
+
+    xs = jnp.array([[1.0, 2.0, 3.0], [jnp.inf, 1.0, 1.0], [1.0, 2.0, 3.0]], jnp.float16)
+    (new_params, new_state), _ = jax.lax.scan(step, (params, opt_state), xs)
+    assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, opt_state)
+    assert new_params["w"].dtype == jnp.float16
+    assert float(jls.get_loss_scale(new_state)) == 512.0  # the inf batch backed off once
+    assert int(jls.get_loss_scale_stats(new_state).inf_skipped_steps) == 1

@@ -587,12 +587,14 @@ def test_half_precision_dtypes(jit_or_eager, dtype, make_inner):
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=256.0))
     params = {"w": jnp.array([1.0, -2.0, 4.0], dtype), "b": jnp.array(0.5, dtype)}
     init_state = tx.init(params)
-    chex.assert_trees_all_equal_dtypes(init_state.inner_state, inner.init(params))
-    grads = {"w": jnp.array([256.0, -512.0, 128.0], dtype), "b": jnp.array(64.0, dtype)}
     unscaled_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+    # The inner state is made for the gradients it will get: float32 for float16 params.
+    inner_init = inner.init(jax.tree.map(lambda p: p.astype(unscaled_dtype), params))
+    chex.assert_trees_all_equal(init_state.inner_state, inner_init, strict=True)
+    grads = {"w": jnp.array([256.0, -512.0, 128.0], dtype), "b": jnp.array(64.0, dtype)}
     true_grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / 256).astype(unscaled_dtype), grads)
     updates, opt_state = jit_or_eager(tx.update, grads, init_state, params)
-    ref_updates, ref_state = jit_or_eager(inner.update, true_grads, inner.init(params), params)
+    ref_updates, ref_state = jit_or_eager(inner.update, true_grads, inner_init, params)
     chex.assert_trees_all_equal_dtypes(updates, true_grads)
     assert_bits_equal(updates, ref_updates)
     assert_bits_equal(opt_state.inner_state, ref_state)
@@ -1036,7 +1038,7 @@ def test_vmap_over_update_skips_per_member(jit_or_eager):
         jls.LossScaleStats(
             loss_scale=jnp.array([16.0, 4.0, 16.0]),
             grad_norm=jnp.array(
-                [np.sqrt(5.0), np.nan, 0.5], jnp.float32
+                [np.sqrt(5.0), np.inf, 0.5], jnp.float32
             ),  # of [8, -16] / 8, ..., [4, 0] / 8
             skipped_steps=jnp.array([0, 1, 0], jnp.int32),
             nan_skipped_steps=jnp.array([0, 0, 0], jnp.int32),
