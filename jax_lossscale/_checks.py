@@ -244,6 +244,15 @@ def is_scalar_array(value: Any, dtype: Any) -> bool:
     )
 
 
+def check_grads_finite(grads_finite: Any, *, caller: str) -> None:
+    """Raises unless `grads_finite` is a bool scalar array (or a Python bool)."""
+    if not (isinstance(grads_finite, bool) or is_scalar_array(grads_finite, np.bool_)):
+        raise TypeError(
+            f"{caller}(grads_finite={describe(grads_finite)}): grads_finite must be a bool "
+            f"scalar array, such as all_finite(grads), got {describe_array(grads_finite)}"
+        )
+
+
 def check_named_arrays(
     value: Any, template: NamedTuple, *, where: str, label: str, source: str
 ) -> None:
