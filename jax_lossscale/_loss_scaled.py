@@ -171,7 +171,9 @@ def loss_scaled(
             apply, inner_update, state.inner_state, select=select
         )
         new_updates = meta.merged(
-            new_updates, apply, loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state)
+            new_updates,
+            apply,
+            lambda: loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state),
         )
         stats = next_stats(
             state.stats,
