@@ -29,8 +29,11 @@ from jax_lossscale._serialization import deserialize as deserialize
 from jax_lossscale._serialization import get as get
 from jax_lossscale._serialization import register as register
 from jax_lossscale._serialization import serialize as serialize
+from jax_lossscale._spikes import RecentValues as RecentValues
+from jax_lossscale._spikes import SpikeWindows as SpikeWindows
 from jax_lossscale._states import LossScaledState as LossScaledState
 from jax_lossscale._states import LossScaleStats as LossScaleStats
+from jax_lossscale._states import StepStats as StepStats
 from jax_lossscale._value_and_grad import value_and_grad as value_and_grad
 from jax_lossscale._version import version as _version
 
@@ -47,6 +50,9 @@ __all__ = [
     "LossScaleStuckError",
     "LossScaledState",
     "Policy",
+    "RecentValues",
+    "SpikeWindows",
+    "StepStats",
     "StochasticRoundingState",
     "all_finite",
     "cast_to_full",

@@ -2,7 +2,7 @@
 
 import abc
 import inspect
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax
 import numpy as np
@@ -10,6 +10,7 @@ import numpy as np
 from jax_lossscale._checks import (
     NOT_GIVEN,
     check_array_leaves,
+    check_axis_name,
     check_no_peer_keywords,
     describe,
     describe_array,
@@ -17,7 +18,7 @@ from jax_lossscale._checks import (
     missing_tree_error,
     peer_attribute_error,
 )
-from jax_lossscale._numerics import divide_floating, multiply_floating
+from jax_lossscale._numerics import divide_floating, finite_flag, multiply_floating
 from jax_lossscale._types import AxisName, PyTree
 
 _Self = TypeVar("_Self", bound="LossScale")
@@ -31,8 +32,10 @@ class LossScale(abc.ABC):
     of arrays that is passed to and returned from `update`, so it works under
     `jit`, `pmap` and `shard_map` and checkpoints like any other pytree.
 
-    Subclasses implement `init`, `__call__`, `update` and `get_config`; `scale`,
-    `unscale` and `from_config` come with it. The state holds the current scale as
+    Subclasses implement `init`, `__call__`, `adjust` (the rule, given whether a step's
+    gradients are finite) and `get_config`; `update` (the finite test, then `adjust`),
+    `scale`, `unscale` and `from_config` come with it. A rule that reads more of the
+    gradients overrides `update` instead of `adjust`. The state holds the current scale as
     `loss_scale`, a float32 scalar field (or a property computing it from the
     other fields), and `__call__` returns it: that is where `get_loss_scale` reads
     the scale of a `loss_scaled` state. Every subclass is registered with
@@ -53,6 +56,11 @@ class LossScale(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_static(cls)
+        if "update" in cls.__dict__:
+            if "reads_only_finiteness" not in cls.__dict__:
+                cls.reads_only_finiteness = False
+            if getattr(cls.adjust, "__isabstractmethod__", False):
+                cls.adjust = _adjust_not_implemented  # type: ignore[method-assign]
 
     @abc.abstractmethod
     def init(self) -> PyTree:
@@ -63,35 +71,70 @@ class LossScale(abc.ABC):
         """Returns the current loss scale held in `state`, a float32 scalar array."""
 
     @abc.abstractmethod
-    def update(
-        self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
-    ) -> tuple[PyTree, jax.Array]:
-        """Advances the state given this step's unscaled gradients.
+    def adjust(self, state: PyTree, grads_finite: jax.Array) -> tuple[PyTree, jax.Array]:
+        """The rule: advances the state given whether this step's gradients are finite.
 
         Args:
           state: the current state.
-          grads: the gradients of this step, already unscaled.
+          grads_finite: a bool scalar array, whether every gradient of this step is
+            finite (on every device of `axis_name`, where `update` was given one).
+
+        Returns:
+          `(new_state, should_apply)`, where `should_apply` is a bool scalar array:
+          whether the gradients of this step should be applied.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import jax_lossscale as jls
+          >>> ls = jls.DynamicLossScale(initial_loss_scale=8.0)
+          >>> state, should_apply = ls.adjust(ls.init(), jnp.array(False))
+          >>> should_apply, ls(state)
+          (Array(False, dtype=bool), Array(4., dtype=float32))
+        """
+
+    def update(
+        self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
+    ) -> tuple[PyTree, jax.Array]:
+        """Advances the state given this step's unscaled gradients: `adjust`, given whether
+        they are all finite.
+
+        A loss scale whose rule reads more of the gradients than whether they are finite
+        overrides `update` instead of `adjust`; `loss_scaled` then calls its `update` (see
+        `reads_only_finiteness`).
+
+        Args:
+          state: the current state.
+          grads: the gradients of this step, already unscaled; a pytree of arrays whose
+            integer, boolean and `float0` leaves are ignored.
           axis_name: inside `pmap` or `shard_map`, the axis over which devices
-            must agree on whether the step is finite.
+            must agree on whether the step is finite; None elsewhere.
 
         Returns:
           `(new_state, should_apply)`, where `should_apply` is a boolean scalar
           array: whether the gradients of this step should be applied. With
-          `axis_name`, both must be the same on every device of that axis.
+          `axis_name`, both are the same on every device of that axis.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import jax_lossscale as jls
+          >>> ls = jls.DynamicLossScale(initial_loss_scale=8.0)
+          >>> state, should_apply = ls.update(ls.init(), {"w": jnp.array([1.0, jnp.nan])})
+          >>> should_apply, ls(state)
+          (Array(False, dtype=bool), Array(4., dtype=float32))
         """
+        caller = f"{type(self).__name__}.update"
+        check_array_leaves(grads, arg_name="grads", caller=caller)
+        check_axis_name(axis_name, caller=caller)
+        return self.adjust(state, finite_flag(grads, axis_name))
 
-    @property
-    def _checks_scaled_gradients(self) -> bool:
-        """Whether `loss_scaled` may check the gradients in its own pass (the scaled ones,
-        each entry times the reciprocal of the scale the state holds, which gives the
-        unscaled gradients' flags and norm at any scale) and call `_update_given_finite`
-        instead of unscaling for `update`: true for a built-in loss scale, whose `update`
-        reads nothing but whether the gradients are finite."""
-        return False
-
-    def _update_given_finite(self, state: PyTree, finite: jax.Array) -> tuple[PyTree, jax.Array]:
-        """`update`'s result for gradients whose finiteness is `finite`."""
-        raise NotImplementedError(f"{type(self).__name__} reads the unscaled gradients")
+    reads_only_finiteness: ClassVar[bool] = True
+    """Whether `update` reads nothing of the gradients but whether they are all finite, so
+    that `loss_scaled` may test them in its own pass over the scaled gradients and call
+    `adjust` (no unscaled copy is made). True unless the class, or a base of it below
+    `LossScale`, defines `update`: `loss_scaled` then calls that `update` with the unscaled
+    gradients. Both give the same numbers to a loss scale whose `update` is `adjust` of the
+    finite flag; a subclass whose `update` only adds to the base's (a log) may set it back
+    to True, and its `update` is then not called by `loss_scaled`."""
 
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
@@ -142,7 +185,7 @@ class LossScale(abc.ABC):
         if tree is NOT_GIVEN:
             raise missing_tree_error(type(self).__name__, "scale", "tree")
         check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
-        return multiply_floating(tree, self._checked_scale(state))
+        return multiply_floating(tree, checked_scale(self, state))
 
     def unscale(self, state: PyTree, grads: PyTree = NOT_GIVEN) -> PyTree:
         """Divides every floating leaf of `grads` by the scale.
@@ -168,7 +211,7 @@ class LossScale(abc.ABC):
         if grads is NOT_GIVEN:
             raise missing_tree_error(type(self).__name__, "unscale", "grads")
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
-        return divide_floating(grads, self._checked_scale(state))
+        return divide_floating(grads, checked_scale(self, state))
 
     if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
 
@@ -182,15 +225,16 @@ class LossScale(abc.ABC):
             # `.counter`) gets a message saying where the value is here.
             raise peer_attribute_error(self, name)
 
-    def _checked_scale(self, state: PyTree) -> jax.Array:
-        """The scale `__call__` returns, once checked to be a float32 scalar array."""
-        loss_scale = self(state)
-        if not is_scalar_array(loss_scale, np.float32):
-            raise TypeError(
-                f"{type(self).__name__}.__call__ must return a float32 scalar array, got "
-                f"{describe_array(loss_scale)}"
-            )
-        return loss_scale
+
+def checked_scale(loss_scale: LossScale, state: PyTree) -> jax.Array:
+    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
+    scale = loss_scale(state)
+    if not is_scalar_array(scale, np.float32):
+        raise TypeError(
+            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
+            f"{describe_array(scale)}"
+        )
+    return scale
 
 
 def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
@@ -213,10 +257,23 @@ def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
     )
 
 
-def check_should_apply(loss_scale: LossScale, should_apply: Any, caller: str) -> None:
-    """Raises unless `update` returned `should_apply` as a bool scalar array."""
+def check_should_apply(
+    loss_scale: LossScale, should_apply: Any, caller: str, method: str = "update"
+) -> None:
+    """Raises unless `update` (or `adjust`) returned `should_apply` as a bool scalar array."""
     if not is_scalar_array(should_apply, np.bool_):
         raise TypeError(
-            f"{caller}: {type(loss_scale).__name__}.update must return should_apply as a "
+            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
             f"bool scalar array, got {describe(should_apply)}"
         )
+
+
+def _adjust_not_implemented(
+    self: LossScale, state: PyTree, grads_finite: jax.Array
+) -> tuple[PyTree, jax.Array]:
+    """The `adjust` of a loss scale that defines `update` alone: its rule reads more of the
+    gradients than whether they are finite."""
+    raise NotImplementedError(
+        f"{type(self).__name__} defines update, not adjust: its rule reads the unscaled "
+        "gradients; call update"
+    )

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jax_lossscale._checks import describe, describe_array, path_name
+from jax_lossscale._checks import describe, describe_array, is_at_least_float32, path_name
 from jax_lossscale._policy import _floating_dtype
 
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -342,7 +342,7 @@ def _rounded_dtype(param: Any, path: Any, owner: str) -> np.dtype[Any] | None:
     dtype: np.dtype[Any] = np.dtype(given)
     if dtype in _ROUNDED:
         return dtype
-    if jnp.finfo(dtype).bits < 32:
+    if not is_at_least_float32(dtype):
         raise TypeError(
             f"{owner}: the param {path_name(path)} is of dtype {dtype}; only bfloat16 and "
             "float16 weights are rounded here (and float32 or wider pass through)"

@@ -31,6 +31,17 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 # --- messages -----------------------------------------------------------------------------
 
 
+def is_array(value: Any) -> bool:
+    """Whether `value` is an array: JAX's (a tracer included), NumPy's, or a NumPy scalar."""
+    return isinstance(value, jax.Array | np.ndarray | np.generic)
+
+
+def is_at_least_float32(dtype: Any) -> bool:
+    """Whether a floating `dtype` has 32 bits or more: float32, float64 (and complex64 or
+    wider), which hold an unscaled gradient; float16 and bfloat16 do not."""
+    return bool(jnp.finfo(dtype).bits >= 32)
+
+
 def describe(value: Any, limit: int | None = 80) -> str:
     """`repr(value)` for a message: shortened in the middle when longer than `limit`
     characters (None: never), and described where Python refuses to print it."""
@@ -47,7 +58,7 @@ def describe(value: Any, limit: int | None = 80) -> str:
 
 def describe_array(value: Any) -> str:
     """What an array is (type, dtype, shape, weak type), or what a non-array is."""
-    if isinstance(value, jax.Array | np.ndarray | np.generic):
+    if is_array(value):
         weak = ", weakly typed" if getattr(value, "weak_type", False) else ""
         return f"{type(value).__name__} of dtype {value.dtype} and shape {value.shape}{weak}"
     return f"{type(value).__name__} ({describe(value)})"
@@ -176,7 +187,7 @@ def check_array_leaves(tree: PyTree, *, arg_name: str, caller: str) -> None:
     are allowed; callers ignore them.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        if not is_array(leaf):
             raise TypeError(
                 f"{caller}: {arg_name} leaf at {path_name(path)} has type {type(leaf).__name__} "
                 f"({describe(leaf)}); every leaf must be a JAX or NumPy array (or None)"
@@ -237,11 +248,16 @@ def _is_axis_name(name: Any) -> bool:
 
 def is_scalar_array(value: Any, dtype: Any) -> bool:
     """Whether `value` is a scalar array (or tracer) of exactly `dtype`."""
-    return (
-        isinstance(value, jax.Array | np.ndarray | np.generic)
-        and value.shape == ()
-        and value.dtype == dtype
-    )
+    return is_array(value) and value.shape == () and value.dtype == dtype
+
+
+def check_grads_finite(grads_finite: Any, *, caller: str) -> None:
+    """Raises unless `grads_finite` is a bool scalar array (or a Python bool)."""
+    if not (isinstance(grads_finite, bool) or is_scalar_array(grads_finite, np.bool_)):
+        raise TypeError(
+            f"{caller}(grads_finite={describe(grads_finite)}): grads_finite must be a bool "
+            f"scalar array, such as all_finite(grads), got {describe_array(grads_finite)}"
+        )
 
 
 def check_named_arrays(
@@ -259,7 +275,7 @@ def check_named_arrays(
             f"got {type(value).__name__}"
         )
     for field, leaf, expected in zip(value._fields, value, template, strict=True):
-        if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        if not is_array(leaf):
             raise TypeError(
                 f"{where}: {label}.{field} must be an array, got {describe_array(leaf)}"
             )

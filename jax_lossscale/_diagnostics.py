@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
+from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, is_array, path_name
 from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._numerics import is_floating
 from jax_lossscale._types import PyTree
@@ -210,7 +210,7 @@ def _count(owner: str, name: str, value: Any) -> int:
             f"{owner} on the host, outside jit, between steps",
             TypeError,
         )
-    if isinstance(value, jax.Array | np.ndarray | np.generic):
+    if is_array(value):
         if value.shape != () or not np.issubdtype(value.dtype, np.integer):
             _checks.fail(
                 owner,

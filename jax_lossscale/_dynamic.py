@@ -11,9 +11,7 @@ import numpy as np
 
 from jax_lossscale import _checks
 from jax_lossscale._base import LossScale
-from jax_lossscale._checks import check_array_leaves, check_axis_name, check_loss_scale_state
-from jax_lossscale._numerics import finite_flag
-from jax_lossscale._types import AxisName, PyTree
+from jax_lossscale._checks import check_grads_finite, check_loss_scale_state
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -37,8 +35,9 @@ class DynamicLossScale(LossScale):
     """A loss scale that rises while gradients stay finite and falls when they overflow.
 
     With default arguments this is TensorFlow 2.0's `DynamicLossScale`, step for
-    step. Each call of `update` applies this rule (`scale`, `good_steps` and
-    `overflows_until_backoff` are the fields of the state)::
+    step. Each call of `update` (or of `adjust`, given the finite flag) applies this
+    rule (`scale`, `good_steps` and `overflows_until_backoff` are the fields of the
+    state)::
 
         # a state made under other hyperparameters is brought within these first
         scale = clip(scale, min_loss_scale, max_loss_scale)
@@ -149,37 +148,32 @@ class DynamicLossScale(LossScale):
         check_loss_scale_state(self, state)
         return state.loss_scale
 
-    def update(
-        self, state: DynamicLossScaleState, grads: PyTree, axis_name: AxisName | None = None
+    def adjust(
+        self, state: DynamicLossScaleState, grads_finite: jax.Array
     ) -> tuple[DynamicLossScaleState, jax.Array]:
-        """Applies the update rule above, jitted, given one step's unscaled gradients.
+        """Applies the update rule above, jitted, given whether this step's gradients are
+        finite; `update` (inherited) takes the gradients themselves.
 
         Args:
           state: the current state, from `init` or a previous `update`.
-          grads: this step's gradients, already unscaled; a pytree of arrays whose
-            integer, boolean and `float0` leaves are ignored.
-          axis_name: inside `pmap` or `shard_map`, the axis over which the devices
-            agree on whether the step is finite; None elsewhere.
+          grads_finite: a bool scalar array, whether every floating gradient entry of
+            this step is finite (on every device of the axis, where there is one).
 
         Returns:
-          `(new_state, should_apply)`: `should_apply` is a bool scalar array, true when
-          every floating gradient entry is finite (on every device of `axis_name`).
+          `(new_state, should_apply)`: `should_apply` is `grads_finite`.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import jax_lossscale as jls
+          >>> ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=1)
+          >>> state, should_apply = ls.adjust(ls.init(), jnp.array(True))
+          >>> should_apply, ls(state)
+          (Array(True, dtype=bool), Array(16., dtype=float32))
         """
         check_loss_scale_state(self, state)
-        check_array_leaves(grads, arg_name="grads", caller="DynamicLossScale.update")
-        check_axis_name(axis_name, caller="DynamicLossScale.update")
+        check_grads_finite(grads_finite, caller="DynamicLossScale.adjust")
         # jax.jit's wrapper returns Any.
-        return cast(tuple[DynamicLossScaleState, jax.Array], _update(self, state, grads, axis_name))
-
-    @property
-    def _checks_scaled_gradients(self) -> bool:
-        return type(self).update is DynamicLossScale.update
-
-    def _update_given_finite(
-        self, state: DynamicLossScaleState, finite: jax.Array
-    ) -> tuple[DynamicLossScaleState, jax.Array]:
-        check_loss_scale_state(self, state)
-        return self._next_state(state, finite), finite
+        return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
 
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
@@ -229,12 +223,8 @@ class DynamicLossScale(LossScale):
         return dataclasses.asdict(self)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _update(
-    loss_scale: DynamicLossScale,
-    state: DynamicLossScaleState,
-    grads: PyTree,
-    axis_name: AxisName | None,
+@functools.partial(jax.jit, static_argnums=0)
+def _adjust(
+    loss_scale: DynamicLossScale, state: DynamicLossScaleState, finite: jax.Array
 ) -> tuple[DynamicLossScaleState, jax.Array]:
-    finite = finite_flag(grads, axis_name)
     return loss_scale._next_state(state, finite), finite

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 
 from jax_lossscale import _checks
 from jax_lossscale._base import LossScale
-from jax_lossscale._checks import check_array_leaves, check_axis_name, check_loss_scale_state
-from jax_lossscale._types import AxisName, PyTree
+from jax_lossscale._checks import check_grads_finite, check_loss_scale_state
 
 
 class FixedLossScaleState(NamedTuple):
@@ -66,27 +65,23 @@ class FixedLossScale(LossScale):
         check_loss_scale_state(self, state)
         return state.loss_scale
 
-    def update(
-        self, state: FixedLossScaleState, grads: PyTree, axis_name: AxisName | None = None
+    def adjust(
+        self, state: FixedLossScaleState, grads_finite: jax.Array
     ) -> tuple[FixedLossScaleState, jax.Array]:
-        """Returns the state of this scale and `should_apply` true, whatever the gradients hold.
+        """Returns the state of this scale and `should_apply` true, whatever `grads_finite`.
 
         A state made with another `loss_scale_value` (a run resumed with a changed
         setting) holds this one after the update.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import jax_lossscale as jls
+          >>> ls = jls.FixedLossScale(8.0)
+          >>> ls.adjust(ls.init(), jnp.array(False))
+          (FixedLossScaleState(loss_scale=Array(8., dtype=float32)), Array(True, dtype=bool))
         """
         check_loss_scale_state(self, state)
-        check_array_leaves(grads, arg_name="grads", caller="FixedLossScale.update")
-        check_axis_name(axis_name, caller="FixedLossScale.update")
-        return self.init(), jnp.array(True)
-
-    @property
-    def _checks_scaled_gradients(self) -> bool:
-        return type(self).update is FixedLossScale.update
-
-    def _update_given_finite(
-        self, state: FixedLossScaleState, finite: jax.Array
-    ) -> tuple[FixedLossScaleState, jax.Array]:
-        check_loss_scale_state(self, state)
+        check_grads_finite(grads_finite, caller="FixedLossScale.adjust")
         return self.init(), jnp.array(True)
 
     def get_config(self) -> dict[str, Any]:

@@ -194,20 +194,24 @@ class MetaStep:
         """`apply`, false where a new meta value is not finite, under every loss scale."""
         return apply if self.finite is None else apply & self.finite
 
-    def merged(self, updates: PyTree, apply: jax.Array, scale_ratio: jax.Array) -> PyTree:
+    def merged(
+        self, updates: PyTree, apply: jax.Array, scale_ratio: Callable[[], jax.Array]
+    ) -> PyTree:
         """The inner updates with, at the meta leaves, `new - old` where `apply`, else -0.0.
 
         On an applied step, the output gradients' amax histories and scales are
-        multiplied by `scale_ratio` (the new loss scale over the old): when the scale
+        multiplied by `scale_ratio()` (the new loss scale over the old, read only where there
+        are meta leaves): when the scale
         grows, the next step's gradients grow with it, and the fp8 scale computed from
         the history must not clip them (docs/integrations.md measures it).
         """
         if not self._local:
             return updates
+        ratio = scale_ratio()
 
         def meta_update(new: jax.Array, old: jax.Array, follows: bool) -> jax.Array:
             if follows and jnp.issubdtype(new.dtype, jnp.floating):
-                new = (new * scale_ratio).astype(new.dtype)
+                new = (new * ratio).astype(new.dtype)
             return jnp.where(apply, new - old, jnp.full_like(old, -0.0)).astype(old.dtype)
 
         inner_leaves = iter(jax.tree.leaves(updates))

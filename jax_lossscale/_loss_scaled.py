@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply
+from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
 from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
@@ -110,7 +110,7 @@ def loss_scaled(
                 "would be unscaled twice. Use one loss_scaled around the whole optimizer"
             )
         loss_scale_state = loss_scale.init()
-        loss_scale._checked_scale(loss_scale_state)  # a user subclass's __call__, checked early
+        checked_scale(loss_scale, loss_scale_state)  # a user subclass's __call__, checked early
         return LossScaledState(inner_state, loss_scale_state, initial_stats(), spike_rule.init())
 
     def update_fn(
@@ -125,25 +125,28 @@ def loss_scaled(
         scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
         loss = spike_rule.loss(extra_args.get("value"))
 
-        # Check. Where the skip is made by selects, a built-in loss scale has the scaled
-        # gradients read once, each entry times the reciprocal of the scale the state holds
-        # inside the pass: the flags and the norm are the unscaled gradients' at any scale,
-        # and no unscaled copy is made (docs/design.md says why only there). Other loss
-        # scales get the unscaled gradients, whose sums for the norm are the check's own
-        # (XLA makes them once).
+        # Check. Where the skip is made by selects and the loss scale's `update` reads only
+        # whether the gradients are finite (`reads_only_finiteness`: it is `adjust` given
+        # that), the scaled gradients are read once, each entry times the reciprocal of the
+        # scale the state holds inside the pass: the flags and the norm are the unscaled
+        # gradients' at any scale, no unscaled copy is made (docs/design.md says why only
+        # there), and the flag goes to `adjust`. Otherwise the loss scale's `update` gets
+        # the unscaled gradients, whose sums for the norm are the check's own (XLA makes
+        # them once).
         select = skips_by_select(state.inner_state, scaled_grads)
-        if select and loss_scale._checks_scaled_gradients:
-            scale = loss_scale._checked_scale(state.loss_scale_state)
+        if select and loss_scale.reads_only_finiteness:
+            scale = checked_scale(loss_scale, state.loss_scale_state)
             check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
-            loss_scale_state, scale_applies = loss_scale._update_given_finite(
+            loss_scale_state, scale_applies = loss_scale.adjust(
                 state.loss_scale_state, check.finite
             )
+            check_should_apply(loss_scale, scale_applies, "loss_scaled", method="adjust")
         else:
             grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
             loss_scale_state, scale_applies = loss_scale.update(
                 state.loss_scale_state, meta.with_values(grads), axis_name
             )
-            check_should_apply(loss_scale, scale_applies, caller="loss_scaled")
+            check_should_apply(loss_scale, scale_applies, "loss_scaled")
             check = meta.joined(check_gradients(grads, axis_name))
         grad_norm, grads_finite = check.norm, check.finite
         if loss is not None and axis_name is not None:
@@ -168,7 +171,9 @@ def loss_scaled(
             apply, inner_update, state.inner_state, select=select
         )
         new_updates = meta.merged(
-            new_updates, apply, loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state)
+            new_updates,
+            apply,
+            lambda: loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state),
         )
         stats = next_stats(
             state.stats,

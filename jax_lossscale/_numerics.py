@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._checks import check_array_leaves, check_axis_name
+from jax_lossscale._checks import check_array_leaves, check_axis_name, is_at_least_float32
 from jax_lossscale._types import AxisName, PyTree
 
 
@@ -193,7 +193,7 @@ def _corrected(norm: jax.Array, correction: jax.Array | None) -> jax.Array:
 
 def wide_dtype(dtype: Any) -> Any:
     """`dtype` if it has 32 bits or more, else float32: the precision to compute in."""
-    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
+    return dtype if is_at_least_float32(dtype) else jnp.float32
 
 
 SMALL_PART = 2**12  # entries: a leaf this small is checked together with others

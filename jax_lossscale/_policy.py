@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._checks import describe
+from jax_lossscale._checks import describe, is_array, is_at_least_float32
 from jax_lossscale._types import PyTree
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -74,7 +74,7 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
         # strongly typed, as jmp's `astype` makes it: weak, it would take the dtype of a
         # float16 array it meets, and `h16 * cast_to_full(0.5) * 1000` would overflow.
         if (
-            isinstance(leaf, jax.Array | np.ndarray | np.generic)
+            is_array(leaf)
             and jnp.issubdtype(leaf.dtype, jnp.floating)
             and (leaf.dtype != target or getattr(leaf, "weak_type", False))
         ):
@@ -260,14 +260,12 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
 
 
 def _is_floating_array(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
-        leaf.dtype, jnp.floating
-    )
+    return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
 def _is_narrow(leaf: Any) -> bool:
     """A floating array narrower than float32: what `full_precision` widens."""
-    return _is_floating_array(leaf) and jnp.finfo(leaf.dtype).bits < 32
+    return _is_floating_array(leaf) and not is_at_least_float32(leaf.dtype)
 
 
 def _nnx_types() -> tuple[type, ...]:

@@ -4,12 +4,11 @@ import inspect
 import numbers
 from typing import Any, TypeVar, cast
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._base import LossScale
-from jax_lossscale._checks import describe
+from jax_lossscale._checks import describe, is_array
 from jax_lossscale._dynamic import DynamicLossScale
 from jax_lossscale._fixed import FixedLossScale
 
@@ -139,7 +138,7 @@ def get(identifier: Any) -> LossScale | None:
 
 def _is_real_scalar_array(value: Any) -> bool:
     return (
-        isinstance(value, jax.Array | np.ndarray | np.generic)
+        is_array(value)
         and np.ndim(value) == 0
         and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))
     )

@@ -10,11 +10,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import INT32_MAX, check_named_arrays, describe, describe_array
+from jax_lossscale._checks import INT32_MAX, check_named_arrays, describe, describe_array, is_array
 
 
 class RecentValues(NamedTuple):
-    """The last values of a signal (the gradient norm or the loss) on applied steps."""
+    """The last values of a signal (the gradient norm or the loss) on applied steps.
+
+    A member of `SpikeWindows`, which a `LossScaledState` holds as `spike_windows`: the
+    type to name when a checkpoint is restored into a template written by hand.
+
+    Examples:
+      >>> import optax
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(
+      ...     optax.sgd(0.1), jls.DynamicLossScale(), skip_spike_sigmas=3.0, spike_window=4
+      ... )
+      >>> windows = tx.init({"w": jnp.zeros(2)}).spike_windows
+      >>> type(windows.recent_grad_norms) is jls.RecentValues, windows.recent_grad_norms.values
+      (True, Array([0., 0., 0., 0.], dtype=float32))
+    """
 
     values: jax.Array  # float32[spike_window]: a ring, the oldest value overwritten first
     filled: jax.Array  # int32: how many of `values` hold a value, up to spike_window
@@ -22,7 +37,18 @@ class RecentValues(NamedTuple):
 
 
 class SpikeWindows(NamedTuple):
-    """The windows `loss_scaled(..., skip_spike_sigmas=...)` tests spikes against."""
+    """The windows `loss_scaled(..., skip_spike_sigmas=...)` tests spikes against: the
+    `spike_windows` of its `LossScaledState` (None without `skip_spike_sigmas`).
+
+    Examples:
+      >>> import optax
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), skip_spike_sigmas=3.0)
+      >>> windows = tx.init({"w": jnp.zeros(2)}).spike_windows
+      >>> isinstance(windows, jls.SpikeWindows), windows.spikes_in_a_row
+      (True, Array(0, dtype=int32))
+    """
 
     recent_grad_norms: RecentValues
     recent_losses: RecentValues  # filled only by steps given `value=`
@@ -92,7 +118,7 @@ class SpikeRule:
         """The `value=` extra argument as a float32 scalar, when the rule reads it."""
         if value is None or not self.keeps_windows:
             return None
-        if isinstance(value, jax.Array | np.ndarray | np.generic):
+        if is_array(value):
             real = value.shape == () and (
                 jnp.issubdtype(value.dtype, jnp.floating)
                 or jnp.issubdtype(value.dtype, jnp.integer)
@@ -189,7 +215,7 @@ class SpikeRule:
             )
         count: Any = windows.spikes_in_a_row
         if not (
-            isinstance(count, jax.Array | np.ndarray | np.generic)
+            is_array(count)
             and count.dtype == jnp.int32
             and count.shape == ()
             and not getattr(count, "weak_type", False)

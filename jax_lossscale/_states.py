@@ -17,7 +17,15 @@ class StepStats(NamedTuple):
     """What `loss_scaled` keeps in its state about the steps taken so far.
 
     `get_loss_scale_stats` returns these fields with the current scale in front,
-    as a `LossScaleStats`.
+    as a `LossScaleStats` (`LossScaleStats._fields == ("loss_scale", *StepStats._fields)`).
+
+    Examples:
+      >>> import optax
+      >>> import jax.numpy as jnp
+      >>> import jax_lossscale as jls
+      >>> stats = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(8.0)).init({}).stats
+      >>> type(stats) is jls.StepStats, int(stats.skipped_steps)
+      (True, 0)
     """
 
     grad_norm: jax.Array  # float32: the last step's unscaled gradients' global L2 norm

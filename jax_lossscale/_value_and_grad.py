@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._checks import describe, is_scalar_array
+from jax_lossscale._checks import describe, is_array, is_at_least_float32, is_scalar_array
 from jax_lossscale._lookup import get_loss_scale
 
 
@@ -101,16 +101,14 @@ def value_and_grad(
             # A Python float is a float32 scalar to jax.value_and_grad, which accepts it.
             loss = jnp.asarray(value, jnp.float32) if type(value) is float else value
             if not (
-                isinstance(loss, jax.Array | np.ndarray | np.generic)
-                and loss.shape == ()
-                and jnp.issubdtype(loss.dtype, jnp.floating)
+                is_array(loss) and loss.shape == () and jnp.issubdtype(loss.dtype, jnp.floating)
             ):
                 raise TypeError(
                     "value_and_grad: fun must return a real floating scalar"
                     f"{' as the first element of (value, aux)' if has_aux else ''}, got "
                     f"{describe(value)}"
                 )
-            if jnp.finfo(loss.dtype).bits >= 32:
+            if is_at_least_float32(loss.dtype):
                 wide = jnp.promote_types(loss.dtype, jnp.float32)
                 return loss.astype(wide) * scale.astype(wide), (value, aux, None)
             # The cotangent that enters fun's backward pass has the loss's dtype: the largest
@@ -140,9 +138,7 @@ def _split(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 
 def _times(rest: jax.Array, leaf: Any) -> Any:
     """A floating gradient leaf times `rest`, computed in float32 (or wider), in its dtype."""
-    if isinstance(leaf, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
-        leaf.dtype, jnp.floating
-    ):
+    if is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating):
         wide = jnp.promote_types(leaf.dtype, jnp.float32)
         return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
     return leaf
@@ -158,7 +154,7 @@ def _scale(opt_state: Any) -> Any:
     """The scale: `opt_state` itself when it is one, else the one read from it."""
     if is_scalar_array(opt_state, np.float32):
         return opt_state
-    if isinstance(opt_state, jax.Array | np.ndarray | np.generic):
+    if is_array(opt_state):
         raise TypeError(
             f"value_and_grad(opt_state={describe(opt_state)}): a scale given directly must be "
             "a float32 scalar array"

@@ -1111,7 +1111,7 @@ add(
     value=repr(jls.LossScale),
     message=(
         f"register(cls={jls.LossScale!r}): cls must be concrete; it leaves abstract "
-        "['__call__', 'get_config', 'init', 'update']"
+        "['__call__', 'adjust', 'get_config', 'init']"
     ),
 )
 add(
@@ -1123,7 +1123,7 @@ add(
     value=repr(_HalfDone),
     message=(
         f"register(cls={_HalfDone!r}): cls must be concrete; it leaves abstract "
-        "['__call__', 'get_config', 'update']"
+        "['__call__', 'adjust', 'get_config']"
     ),
 )
 add(

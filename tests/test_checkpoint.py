@@ -19,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale._states import StepStats
 
 from helpers import assert_bits_equal
 
@@ -136,10 +135,10 @@ def _assert_typed_like_init(opt_state):
     state = _wrapper_state(opt_state)
     assert type(state) is jls.LossScaledState
     assert type(state.loss_scale_state) is jls.DynamicLossScaleState
-    assert type(state.stats) is StepStats
+    assert type(state.stats) is jls.StepStats
     expected_dtypes = (
         jls.DynamicLossScaleState(jnp.float32, jnp.int32, jnp.int32),
-        StepStats(jnp.float32, *[jnp.int32] * 5, jnp.bool_),
+        jls.StepStats(jnp.float32, *[jnp.int32] * 5, jnp.bool_),
     )
     for leaf, dtype in zip(
         jax.tree.leaves((state.loss_scale_state, state.stats)),

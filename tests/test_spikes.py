@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
-from jax_lossscale._spikes import RecentValues, SpikeWindows
 
 from helpers import ReferenceLossScale, assert_bits_equal, compiled_reductions
 
@@ -233,7 +232,7 @@ def _norm_steps(tx, norms, values=None, params=None):
     return opt_state, record
 
 
-def _window_in_order(window: RecentValues) -> list[float]:
+def _window_in_order(window: jls.RecentValues) -> list[float]:
     """The values of a window, oldest first."""
     values, filled, start = np.asarray(window.values), int(window.filled), int(window.next_index)
     if filled < len(values):
@@ -458,10 +457,10 @@ def test_without_spike_skipping_the_state_holds_no_window():
         assert "f32[128]" not in compiled
     tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(), skip_spike_sigmas=4.0)
     windows = tx.init(params).spike_windows
-    empty = RecentValues(
+    empty = jls.RecentValues(
         values=np.zeros(128, np.float32), filled=np.int32(0), next_index=np.int32(0)
     )
-    expected = SpikeWindows(
+    expected = jls.SpikeWindows(
         recent_grad_norms=empty, recent_losses=empty, spikes_in_a_row=np.int32(0)
     )
     chex.assert_trees_all_equal(windows, expected, strict=True)

@@ -1,0 +1,218 @@
+"""The `LossScale` protocol (`jax_lossscale/_base.py`): `adjust` is the rule, `update` the
+finite test then `adjust`, and `loss_scaled` calls a loss scale through these public methods
+alone, choosing by `reads_only_finiteness`."""
+
+import dataclasses
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+from helpers import assert_bits_equal, compiled_reductions
+
+# Scaled gradients of four steps: finite, +inf, NaN, finite; a leaf of each kind of size.
+STEPS = [
+    {"w": jnp.array([8.0, -16.0, 4.0]), "b": jnp.array(2.0)},
+    {"w": jnp.array([8.0, jnp.inf, 4.0]), "b": jnp.array(2.0)},
+    {"w": jnp.array([8.0, 1.0, 4.0]), "b": jnp.array(jnp.nan)},
+    {"w": jnp.array([3.0, 5.0, -7.0]), "b": jnp.array(1.0)},
+]
+PARAMS = {"w": jnp.array([1.0, 2.0, 3.0]), "b": jnp.array(0.5)}
+
+
+def _run(loss_scale, steps=STEPS, inner=None):
+    """The updates, scales and gradient norms of a jitted loss-scaled sgd over `steps`."""
+    tx = jls.loss_scaled(inner or optax.sgd(0.5, momentum=0.9), loss_scale)
+    update = jax.jit(tx.update)
+    opt_state, params = tx.init(PARAMS), PARAMS
+    updates_seen, scales, norms = [], [], []
+    for grads in steps:
+        updates, opt_state = update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        updates_seen.append(updates)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        norms.append(float(jls.get_loss_scale_stats(opt_state).grad_norm))
+    return updates_seen, scales, norms
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingDynamicLossScale(jls.DynamicLossScale):
+    """A user's subclass that overrides `update` only to log."""
+
+    def update(self, state, grads, axis_name=None):
+        LOG.append("update")
+        return super().update(state, grads, axis_name)
+
+
+LOG: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorAtFourLossScale(jls.DynamicLossScale):
+    """A user's subclass with a rule of its own: never backs off below 4."""
+
+    def adjust(self, state, grads_finite):
+        state, should_apply = super().adjust(state, grads_finite)
+        return state._replace(loss_scale=jnp.maximum(state.loss_scale, 4.0)), should_apply
+
+
+class HalvingState(NamedTuple):
+    loss_scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class HalvingLossScale(jls.LossScale):
+    """The custom loss scale of docs/api.md, written against the protocol alone."""
+
+    initial: float = 2.0**15
+
+    def init(self):
+        return HalvingState(jnp.asarray(self.initial, jnp.float32))
+
+    def __call__(self, state):
+        return state.loss_scale
+
+    def adjust(self, state, grads_finite):
+        halved = jnp.where(grads_finite, state.loss_scale, state.loss_scale / 2)
+        return HalvingState(halved), grads_finite
+
+    def get_config(self):
+        return {"initial": self.initial}
+
+
+def test_which_method_loss_scaled_calls_is_a_public_class_attribute():
+    assert jls.LossScale.reads_only_finiteness is True
+    assert jls.DynamicLossScale.reads_only_finiteness is True
+    assert jls.FixedLossScale.reads_only_finiteness is True
+    assert FloorAtFourLossScale.reads_only_finiteness is True
+    assert HalvingLossScale.reads_only_finiteness is True
+    assert LoggingDynamicLossScale.reads_only_finiteness is False
+
+
+@pytest.mark.parametrize(
+    "inner", [optax.sgd(0.5, momentum=0.9), optax.adam(0.1)], ids=["selects", "cond"]
+)
+def test_a_subclass_overriding_update_to_log_gets_the_parents_numbers(inner):
+    """Its `update` is called (on each trace under `jit`), with the unscaled gradients, and
+    the updates, scales and norms are the parent's bit for bit, on the path where the parent
+    is given the finite flag through `adjust` (selects) as on the one where it is not."""
+    LOG.clear()
+    ls = dict(initial_loss_scale=8.0, increment_period=1)
+    parent = _run(jls.DynamicLossScale(**ls), inner=inner)
+    logging = _run(LoggingDynamicLossScale(**ls), inner=inner)
+    assert LOG
+    assert set(LOG) == {"update"}
+    assert_bits_equal(logging[0], parent[0])
+    assert logging[1] == parent[1] == [16.0, 8.0, 4.0, 8.0]
+    assert_bits_equal(np.array(logging[2], np.float32), np.array(parent[2], np.float32))
+    assert parent[2][0] == float(np.float32(np.sqrt(1.0 + 4.0 + 0.25 + 0.0625)))
+    assert parent[2][1] == np.inf
+    assert np.isnan(parent[2][2])
+
+
+def test_a_subclass_overriding_adjust_gets_its_rule_and_the_one_pass_check():
+    """`loss_scaled` calls the subclass's `adjust`: the scale stops at 4 where the parent's
+    goes down to 2; and it checks the scaled gradients in the same reductions as for the
+    parent."""
+    ls = dict(initial_loss_scale=8.0, increment_period=100)
+    overflows = [{"w": jnp.full(3, jnp.inf), "b": jnp.array(1.0)}] * 3
+    assert _run(FloorAtFourLossScale(**ls), overflows)[1] == [4.0, 4.0, 4.0]
+    assert _run(jls.DynamicLossScale(**ls), overflows)[1] == [4.0, 2.0, 1.0]
+
+    def reductions(loss_scale):
+        tx = jls.loss_scaled(optax.sgd(0.5, momentum=0.9), loss_scale)
+        lowered = jax.jit(tx.update).lower(PARAMS, tx.init(PARAMS), PARAMS)
+        return compiled_reductions(lowered.compile().as_text())
+
+    assert reductions(FloorAtFourLossScale(**ls)) == reductions(jls.DynamicLossScale(**ls))
+
+
+def test_a_loss_scale_written_against_the_protocol_alone_works_with_loss_scaled():
+    """The docs' custom loss scale: `init`, `__call__`, `adjust`, `get_config`. Its
+    `update` comes from the base class; `loss_scaled` skips the two non-finite steps and
+    halves the scale on each."""
+    ls = HalvingLossScale(8.0)
+    updates, scales, _ = _run(ls)
+    assert scales == [8.0, 4.0, 2.0, 2.0]
+    assert_bits_equal(updates[1], {"w": jnp.full(3, -0.0), "b": jnp.array(-0.0)})
+    assert_bits_equal(updates[2], {"w": jnp.full(3, -0.0), "b": jnp.array(-0.0)})
+    state, should_apply = ls.update(ls.init(), {"w": jnp.array([1.0, jnp.nan])})
+    assert (bool(should_apply), float(ls(state))) == (False, 4.0)
+    state, should_apply = ls.update(state, {"w": jnp.array([1.0, 2.0])})
+    assert (bool(should_apply), float(ls(state))) == (True, 4.0)
+
+
+def test_update_is_adjust_given_the_finite_flag():
+    ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=2, hysteresis=2)
+    by_update, by_adjust = ls.init(), ls.init()
+    for grads in STEPS * 2:
+        by_update, apply_u = ls.update(by_update, {"w": grads["w"] / 8, "b": grads["b"] / 8})
+        by_adjust, apply_a = ls.adjust(by_adjust, jls.all_finite(grads))
+        assert_bits_equal((by_update, apply_u), (by_adjust, apply_a))
+    assert float(ls(by_update)) == 4.0  # T F F(backoff) T T(growth) F F(backoff) T
+
+
+def test_a_loss_scale_defining_update_alone_is_concrete_and_has_no_adjust():
+    @dataclasses.dataclass(frozen=True)
+    class OnlyUpdate(jls.LossScale):
+        def init(self):
+            return HalvingState(jnp.float32(2.0))
+
+        def __call__(self, state):
+            return state.loss_scale
+
+        def update(self, state, grads, axis_name=None):
+            return state, jls.all_finite(grads, axis_name)
+
+        def get_config(self):
+            return {}
+
+    ls = OnlyUpdate()
+    assert OnlyUpdate.reads_only_finiteness is False
+    message = "OnlyUpdate defines update, not adjust: its rule reads the unscaled gradients"
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        ls.adjust(ls.init(), jnp.array(True))
+    updates, scales, _ = _run(ls)
+    assert scales == [2.0] * 4
+    assert_bits_equal(updates[1], {"w": jnp.full(3, -0.0), "b": jnp.array(-0.0)})
+
+
+def test_a_loss_scale_defining_neither_adjust_nor_update_cannot_be_made():
+    class Neither(jls.LossScale):
+        def init(self):
+            return HalvingState(jnp.float32(2.0))
+
+        def __call__(self, state):
+            return state.loss_scale
+
+        def get_config(self):
+            return {}
+
+    with pytest.raises(TypeError, match=r"abstract method.*adjust"):
+        Neither()
+
+
+@pytest.mark.parametrize("ls", [jls.DynamicLossScale(), jls.FixedLossScale(2.0)])
+@pytest.mark.parametrize("flag", [jnp.array([True]), jnp.float32(1.0), "yes"])
+def test_adjust_refuses_a_flag_that_is_not_a_bool_scalar(ls, flag):
+    name = type(ls).__name__
+    with pytest.raises(TypeError, match=rf"^{name}\.adjust\(grads_finite=.*must be a bool"):
+        ls.adjust(ls.init(), flag)
+
+
+def test_loss_scaled_names_adjust_when_it_returns_a_bad_should_apply():
+    @dataclasses.dataclass(frozen=True)
+    class FloatApply(HalvingLossScale):
+        def adjust(self, state, grads_finite):
+            return state, grads_finite.astype(jnp.float32)
+
+    tx = jls.loss_scaled(optax.sgd(0.1), FloatApply())
+    message = "loss_scaled: FloatApply.adjust must return should_apply as a bool scalar array"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        tx.update(PARAMS, tx.init(PARAMS), PARAMS)
