@@ -982,7 +982,7 @@ def test_built_once_from_an_nnx_optimizer_follows_its_scale_in_an_eager_loop():
     """An nnx Optimizer is updated in place, and the scale is read at each call: the habit
     gives the right steps here, [-1, -1] after the overflow."""
     model = nnx.Linear(2, 1, use_bias=False, rngs=nnx.Rngs(0))
-    model.kernel.value = jnp.zeros((2, 1), F32)
+    model.kernel[...] = jnp.zeros((2, 1), F32)
     tx, _ = dynamic_tx(optax.sgd(1.0), initial_loss_scale=2.0**15)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     fun = lambda m, x: jnp.sum(m(x.astype(F16)))  # noqa: E731
@@ -991,4 +991,4 @@ def test_built_once_from_an_nnx_optimizer_follows_its_scale_in_an_eager_loop():
         _, grads = grad_fn(model, x)
         optimizer.update(model, grads)
     assert float(jls.get_loss_scale(optimizer)) == 2.0**14
-    assert_bits_equal(model.kernel.value, jnp.full((2, 1), -1.0, F32))
+    assert_bits_equal(model.kernel[...], jnp.full((2, 1), -1.0, F32))
