@@ -2,9 +2,15 @@
 
 `JAX_LOSSSCALE_TEST_DEVICES` sets another number: tests/test_one_device.py runs the tests
 of user steps again with one device, as most users train.
+
+The workers of one run (pytest-xdist) share a compilation cache, removed at the end: a
+program that takes XLA long to compile (a benchmark's GPT or ResNet step, built by more than
+one test) is compiled once per run. Nothing outlives the run, so every run starts cold.
 """
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import jax
@@ -12,6 +18,24 @@ import pytest
 
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_LOSSSCALE_TEST_DEVICES", "8")))
 jax.config.update("jax_platforms", "cpu")
+
+
+CACHE_VARIABLE = "JAX_LOSSSCALE_TEST_COMPILATION_CACHE"
+OWNS_CACHE = pytest.StashKey[bool]()
+
+
+def pytest_configure(config):
+    # The first process of a run makes the folder; its workers (and its subprocesses) inherit it.
+    config.stash[OWNS_CACHE] = CACHE_VARIABLE not in os.environ
+    if config.stash[OWNS_CACHE]:
+        os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jax_lossscale-tests-")
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VARIABLE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config):
+    if config.stash.get(OWNS_CACHE, False):
+        shutil.rmtree(os.environ.pop(CACHE_VARIABLE), ignore_errors=True)
 
 
 @pytest.fixture(params=["jit", "nojit"])
