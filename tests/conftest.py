@@ -8,6 +8,7 @@ program that takes XLA long to compile (a benchmark's GPT or ResNet step, built 
 one test) is compiled once per run. Nothing outlives the run, so every run starts cold.
 """
 
+import functools
 import os
 import shutil
 import tempfile
@@ -15,6 +16,8 @@ from collections.abc import Callable
 
 import jax
 import pytest
+
+from helpers import JIT_MODES, call_in_mode
 
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_LOSSSCALE_TEST_DEVICES", "8")))
 jax.config.update("jax_platforms", "cpu")
@@ -38,14 +41,7 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(CACHE_VARIABLE), ignore_errors=True)
 
 
-@pytest.fixture(params=["jit", "nojit"])
+@pytest.fixture(params=JIT_MODES)
 def jit_or_eager(request) -> Callable:
     """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
-
-    def call(fn, *args):
-        if request.param == "jit":
-            return jax.jit(fn)(*args)
-        with jax.disable_jit():
-            return fn(*args)
-
-    return call
+    return functools.partial(call_in_mode, request.param)
