@@ -41,6 +41,22 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(CACHE_VARIABLE), ignore_errors=True)
 
 
+# The files that take longest, first: each worker takes a whole file (`--dist loadfile`), in
+# collection order, so a long file collected last would leave the other workers idle.
+LONGEST_FIRST = [
+    "test_one_device.py", "test_benchmarks.py", "test_integrations.py", "test_reliability.py",
+    "test_numerics.py", "test_resnet_benchmark.py", "test_loss_scaled.py", "test_value_and_grad.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file and among the others is kept
+
+
 @pytest.fixture(params=JIT_MODES)
 def jit_or_eager(request) -> Callable:
     """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
