@@ -1,7 +1,11 @@
 """What the tests share: bit-exact comparison of trees, the reductions of a compiled module,
-and the reference model of the update rule (docs/update-rule.md) in plain Python, against
-which the jitted rule is checked."""
+the reference model of the update rule (docs/update-rule.md) in plain Python, against which
+the jitted rule is checked, a call jitted or eager, the statistics as Python values, and the
+runner of the Markdown pages' code blocks."""
 
+import contextlib
+import math
+import pathlib
 import re
 
 import chex
@@ -108,7 +112,47 @@ class ReferenceLossScale:
         return result
 
 
+def stats_dict(opt_state) -> dict:
+    """The stats as Python values; a NaN `grad_norm` as "nan", so that dicts compare."""
+    stats = {
+        name: value.item() for name, value in jls.get_loss_scale_stats(opt_state)._asdict().items()
+    }
+    if math.isnan(stats["grad_norm"]):
+        stats["grad_norm"] = "nan"
+    return stats
+
+
 def stats_tuple(opt_state) -> tuple[float, int, bool]:
     """The scale, the skipped steps and whether the last step was applied, as Python values."""
     stats = jls.get_loss_scale_stats(opt_state)
     return float(stats.loss_scale), int(stats.skipped_steps), bool(stats.last_step_applied)
+
+
+JIT_MODES = ["jit", "nojit"]
+
+
+def jit_mode(mode: str):
+    """The context of one of `JIT_MODES`: none for "jit", `jax.disable_jit()` for "nojit"."""
+    return jax.disable_jit() if mode == "nojit" else contextlib.nullcontext()
+
+
+def call_in_mode(mode: str, fn, *args):
+    """`fn(*args)`, wrapped in `jax.jit` ("jit") or eagerly under `jax.disable_jit()`."""
+    if mode == "jit":
+        return jax.jit(fn)(*args)
+    with jit_mode(mode):
+        return fn(*args)
+
+
+def python_blocks(page: pathlib.Path) -> list[str]:
+    """The Python code blocks of a Markdown page, in order."""
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
+
+
+def assert_block_prints_what_it_says(block: str, name: str, capsys) -> None:
+    """Runs a code block in a fresh namespace; what it prints starts with what its
+    `# -> ...` comments say, one line each (a comment's text up to " (", where a remark
+    may follow)."""
+    exec(compile(block, name, "exec"), {})
+    expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
+    assert capsys.readouterr().out.split("\n")[: len(expected)] == expected

@@ -1,8 +1,8 @@
 """`python -m jax_lossscale.demo`: float16 stalls without loss scaling, tracks float32 with it."""
 
 import re
+import runpy
 import struct
-import subprocess
 import sys
 
 import numpy as np
@@ -112,15 +112,15 @@ def test_plot_writes_a_png(results, plot_path):
     assert struct.unpack(">II", header[16:24]) == (1200, 400)  # width, height
 
 
-def test_module_prints_progress_and_the_summary_table():
-    completed = subprocess.run(
-        [sys.executable, "-m", "jax_lossscale.demo", "--steps", "20"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "20/20" in completed.stderr  # the progress bars
-    lines = completed.stdout.strip().splitlines()
+def test_module_prints_progress_and_the_summary_table(monkeypatch, capsys):
+    # `python -m jax_lossscale.demo`, run in this process as `-m` runs it: as many steps as the
+    # other tests, so that it finds their programs compiled
+    monkeypatch.setattr(sys, "argv", ["demo", "--steps", str(STEPS)])
+    monkeypatch.delitem(sys.modules, "jax_lossscale.demo")
+    runpy.run_module("jax_lossscale.demo", run_name="__main__", alter_sys=True)
+    completed = capsys.readouterr()
+    assert f"{STEPS}/{STEPS}" in completed.err  # the progress bars
+    lines = completed.out.strip().splitlines()
     rows = [re.split(r"\s{2,}", line.strip()) for line in lines[:5]]
     assert rows[0] == [
         "run",
@@ -142,7 +142,7 @@ def test_module_prints_progress_and_the_summary_table():
     assert rows[3][3:5] == ["-", "-"]
     assert int(rows[4][3]) >= 1
     assert re.fullmatch(r"2\*\*\d+", rows[4][4])
-    assert "20 steps per run." in completed.stdout
+    assert f"{STEPS} steps per run." in completed.out
     worst = [line.strip() for line in lines if line.startswith("  float16")]
     assert [line.split(":")[0] for line in worst] == [
         "float16, no loss scaling",

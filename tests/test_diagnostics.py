@@ -14,11 +14,7 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale._diagnostics import saturating_count
 
-from helpers import assert_bits_equal
-
-
-def stats_dict(opt_state) -> dict:
-    return {k: v.item() for k, v in jls.get_loss_scale_stats(opt_state)._asdict().items()}
+from helpers import assert_bits_equal, stats_dict
 
 
 def exact(message: str) -> str:

@@ -2,11 +2,12 @@
 say (as `tests/test_readme.py` does for the README), and every page is in the site's nav."""
 
 import pathlib
-import re
 
 import pytest
 
 import jax_lossscale
+
+from helpers import assert_block_prints_what_it_says, python_blocks
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -21,7 +22,7 @@ BLOCKS = [
         marks=[pytest.mark.multi_device] if page.name in MULTI_DEVICE_PAGES else [],
     )
     for page in PAGES
-    for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL))
+    for index, block in enumerate(python_blocks(page))
 ]
 
 
@@ -32,9 +33,7 @@ def test_the_docs_have_pages_with_python_blocks():
 
 @pytest.mark.parametrize(("page", "index", "block"), BLOCKS)
 def test_docs_block_runs_and_prints_what_it_says(page, index, block, capsys):
-    exec(compile(block, f"docs/{page}[python block {index}]", "exec"), {})
-    expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
-    assert capsys.readouterr().out.split("\n")[: len(expected)] == expected
+    assert_block_prints_what_it_says(block, f"docs/{page}[python block {index}]", capsys)
 
 
 def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():

@@ -1,6 +1,5 @@
 """Update semantics of `DynamicLossScale` and `FixedLossScale` (docs/update-rule.md)."""
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -13,8 +12,10 @@ import pytest
 
 import jax_lossscale as jls
 
+from helpers import JIT_MODES as MODES
+from helpers import jit_mode as mode_context
+
 F32_MAX = float(np.finfo(np.float32).max)
-MODES = ["jit", "nojit"]
 NONFINITE = [jnp.inf, jnp.nan, -jnp.inf]
 
 
@@ -32,10 +33,6 @@ def grads_for(flag: str, index: int):
         return finite_grads()
     assert flag == "F"
     return nonfinite_grads(NONFINITE[index % 3])
-
-
-def mode_context(mode: str):
-    return jax.disable_jit() if mode == "nojit" else contextlib.nullcontext()
 
 
 def run(ls: jls.LossScale, steps: str, mode: str):

@@ -30,7 +30,7 @@ MODULES = [
 
 def test_user_steps_and_docs_blocks_pass_on_one_device():
     env = {**os.environ, "JAX_LOSSSCALE_TEST_DEVICES": "1", "XLA_FLAGS": ""}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
     result = subprocess.run(
         [*command, "-m", "not multi_device", *MODULES],
         cwd=ROOT,

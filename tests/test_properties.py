@@ -113,7 +113,8 @@ def run_library(kwargs: dict, values: list[float]):
 
 @SETTINGS
 @hypothesis.given(kwargs=hyperparameters(), values=gradient_values())
-def test_update_matches_the_model(kwargs, values):
+def test_update_matches_the_model_and_keeps_the_scale_within_bounds(kwargs, values):
+    """One compile per example (the hyperparameters are static), both properties checked."""
     scales, good_steps, overflows_until_backoff, should_apply = run_library(kwargs, values)
     assert scales.dtype == np.float32
     model = ReferenceLossScale(**kwargs)
@@ -127,12 +128,6 @@ def test_update_matches_the_model(kwargs, values):
     assert good_steps.tolist() == [e[1] for e in expected]
     assert overflows_until_backoff.tolist() == [e[2] for e in expected]
     assert should_apply.tolist() == [e[3] for e in expected]
-
-
-@SETTINGS
-@hypothesis.given(kwargs=hyperparameters(), values=gradient_values())
-def test_scale_stays_within_bounds(kwargs, values):
-    scales, _, _, _ = run_library(kwargs, values)
     # The bounds as the loss scale stores them: the float32 values it checks and uses.
     ls = jls.DynamicLossScale(**kwargs)
     ceiling = F32_MAX if ls.max_loss_scale is None else ls.max_loss_scale

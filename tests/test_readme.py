@@ -1,12 +1,13 @@
 """Every Python code block in README.md runs and prints what its `# -> ...` comments say."""
 
 import pathlib
-import re
 
 import pytest
 
+from helpers import assert_block_prints_what_it_says, python_blocks
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+BLOCKS = python_blocks(README)
 
 
 def test_readme_has_python_blocks():
@@ -16,6 +17,4 @@ def test_readme_has_python_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs_and_prints_what_it_says(index, capsys):
     block = BLOCKS[index]
-    exec(compile(block, f"README.md[python block {index}]", "exec"), {})
-    expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
-    assert capsys.readouterr().out.split("\n")[: len(expected)] == expected
+    assert_block_prints_what_it_says(block, f"README.md[python block {index}]", capsys)

@@ -22,23 +22,13 @@ from hypothesis import strategies as st
 
 import jax_lossscale as jls
 
-from helpers import ReferenceLossScale, assert_bits_equal
+from helpers import ReferenceLossScale, assert_bits_equal, stats_dict
 
 INT32_MAX = 2**31 - 1
 
 
 def int32(value: int) -> jax.Array:
     return jnp.asarray(value, jnp.int32)
-
-
-def stats_dict(opt_state) -> dict:
-    """The stats as Python values; a NaN `grad_norm` as "nan", so that dicts compare."""
-    stats = {
-        name: value.item() for name, value in jls.get_loss_scale_stats(opt_state)._asdict().items()
-    }
-    if math.isnan(stats["grad_norm"]):
-        stats["grad_norm"] = "nan"
-    return stats
 
 
 # --- 1. the wrapper against a plain-Python model --------------------------------------------
