@@ -1048,7 +1048,7 @@ for _id, _identifier in [
     ("complex", 2j),
     ("list", [1024]),
     ("class", jls.DynamicLossScale),
-    ("jax_array", jnp.float32(1024.0)),
+    ("jax_vector", jnp.full(2, 1024.0)),
 ]:
     add(
         f"get-identifier={_id}",
