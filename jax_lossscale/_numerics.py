@@ -69,8 +69,8 @@ def may_be_sharded(leaf: Any) -> bool:
     are not split. Nothing here reads how many devices the process has: a leaf on one
     device of eight is not sharded. Under `jit` given `in_shardings` alone, the type of an
     argument names no mesh; the leaf is then taken as unsharded, and the one-pass form
-    stays correct if XLA splits it after all (the partitioner gathers each leaf's
-    per-device results, a scalar pair per device).
+    stays correct if XLA splits it after all (the partitioner then gathers each part's
+    per-device results, a scalar pair per device, and the joined small leaves).
     """
     sharding = jax.typeof(leaf).sharding
     mesh = sharding.mesh

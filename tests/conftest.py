@@ -1,16 +1,15 @@
 """Test configuration: JAX gets 8 CPU devices, set before any backend starts.
 
-`JAX_LOSSSCALE_TEST_DEVICES` sets another number: tests/test_one_device.py runs the tests
-of user steps again with one device, as most users train.
+A test whose arrays are on one of them checks gradients as a host with one device does: the
+form of the check is read from where the arrays are (`_numerics.may_be_sharded`).
 """
 
-import os
 from collections.abc import Callable
 
 import jax
 import pytest
 
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_LOSSSCALE_TEST_DEVICES", "8")))
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 

@@ -10,16 +10,8 @@ import jax_lossscale
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-# The distributed page's set-up line gives JAX 8 devices, as the suite does.
-MULTI_DEVICE_PAGES = {"distributed.md"}
 BLOCKS = [
-    pytest.param(
-        page.name,
-        index,
-        block,
-        id=f"{page.name}[{index}]",
-        marks=[pytest.mark.multi_device] if page.name in MULTI_DEVICE_PAGES else [],
-    )
+    pytest.param(page.name, index, block, id=f"{page.name}[{index}]")
     for page in PAGES
     for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL))
 ]

@@ -110,7 +110,6 @@ def _norm_of(opt_state) -> np.ndarray:
     return np.asarray(jax.device_get(jls.get_loss_scale_stats(opt_state).grad_norm))
 
 
-@pytest.mark.multi_device
 def test_pmap_shard_map_and_spmd_jit_agree_on_the_norm():
     grads = _global_gradient()
     expected = norm64(grads)
@@ -415,7 +414,6 @@ def test_a_spike_skip_leaves_params_and_every_inner_state_bit_identical(make_inn
     chex.assert_trees_all_close(resumed_params, direct_params, rtol=1e-6)
 
 
-@pytest.mark.multi_device
 def test_spike_skipping_under_pmap_every_device_agrees():
     tx = jls.loss_scaled(
         optax.sgd(1.0), jls.FixedLossScale(1.0), axis_name=AXIS, skip_spike_sigmas=1.0,
