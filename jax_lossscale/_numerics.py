@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 from jax_lossscale._checks import check_array_leaves, check_axis_name, is_at_least_float32
 from jax_lossscale._types import AxisName, PyTree
@@ -52,14 +53,43 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
-    totals, infs = square_sums_and_infs(floating_parts(tree), unsharded(axis_name))
+    totals, infs = square_sums_and_infs(floating_parts(tree))
     return _finite(totals, infs, axis_name)
 
 
-def unsharded(axis_name: AxisName | None) -> bool:
-    """Whether no array can be sharded over devices here, so that `square_sums_and_infs`
-    may take one pass: one device in the process, or inside `pmap` or `shard_map`."""
-    return axis_name is not None or jax.device_count() == 1
+def may_be_sharded(leaf: Any) -> bool:
+    """Whether XLA may split `leaf` over more than one device, as its type says.
+
+    The type of an array (`jax.typeof(leaf).sharding`) names the mesh it is placed on, or
+    none for an array on one device and for a NumPy array; then the mesh entered with
+    `jax.sharding.set_mesh`, if any, is read instead. Over a mesh axis of more than one
+    device, an `Explicit` axis splits the leaf where its spec names the axis, an `Auto`
+    axis (of a `Mesh` built directly) lets XLA's partitioner split it as it chooses, and a
+    `Manual` axis (inside `pmap` or `shard_map`) holds each device's own values, which
+    are not split. Nothing here reads how many devices the process has: a leaf on one
+    device of eight is not sharded. Under `jit` given `in_shardings` alone, the type of an
+    argument names no mesh; the leaf is then taken as unsharded, and the one-pass form
+    stays correct if XLA splits it after all (the partitioner then gathers each part's
+    per-device results, a scalar pair per device, and the joined small leaves).
+    """
+    sharding = jax.typeof(leaf).sharding
+    mesh = sharding.mesh
+    split: set[Any] = set()
+    if mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    else:
+        for entry in sharding.spec:
+            split.update(entry if isinstance(entry, tuple) else [entry])
+    for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True):
+        if size > 1 and (kind == AxisType.Auto or (kind == AxisType.Explicit and name in split)):
+            return True
+    return False
+
+
+def _varying_axes(part: jax.Array) -> frozenset[Any]:
+    """The `shard_map` axes over which `part` varies (none outside `shard_map`)."""
+    axis_type = getattr(jax.typeof(part), "manual_axis_type", None)
+    return cast(frozenset[Any], getattr(axis_type, "varying", frozenset()))
 
 
 def _finite(
@@ -75,7 +105,7 @@ def _finite(
 
 
 def square_sums_and_infs(
-    parts: list[jax.Array], one_pass: bool = True, factor: jax.Array | None = None
+    parts: list[jax.Array], one_pass: bool | None = None, factor: jax.Array | None = None
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Per part, the sum of `|x| * |x|` over its entries `x` (each times `factor`, a
     positive float32 scalar, if given), in float32 or wider, and whether an entry is
@@ -98,17 +128,19 @@ def square_sums_and_infs(
     With `one_pass`, both come from one variadic reduction, which writes nothing and, on
     a CPU, takes as long as the sum alone; but XLA's SPMD partitioner gathers the partial
     results of a variadic reduction where it all-reduces a sum. Where a part may be
-    sharded across devices, `one_pass=False` gives two sums, the flag's a count.
+    sharded across devices, `one_pass=False` gives two sums, the flag's a count. By
+    default each part takes one pass unless `may_be_sharded` says it may be split.
     """
     totals, infs = [], []
     for part in parts:
+        part_one_pass = not may_be_sharded(part) if one_pass is None else one_pass
         # No gradient flows through a check; a variadic reduction has no derivative rule.
         wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
         if factor is not None:
             wide = wide * factor.astype(wide.dtype)
         magnitude = jnp.abs(wide)
         terms = magnitude * magnitude
-        if one_pass:
+        if part_one_pass:
             total, has_inf = jax.lax.reduce(
                 (terms, magnitude == np.inf),
                 (np.zeros((), wide.dtype), np.bool_(False)),
@@ -161,7 +193,7 @@ def check_gradients(
     """
     parts = floating_parts(tree)
     factor, correction = (None, None) if divisor is None else reciprocal_factors(divisor)
-    totals, infs = square_sums_and_infs(parts, unsharded(axis_name), factor)
+    totals, infs = square_sums_and_infs(parts, factor=factor)
     finite = _finite(totals, infs, axis_name)
     nans = [jnp.isnan(total) for total in totals]
     has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
@@ -175,8 +207,7 @@ def check_gradients(
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
     for part, total in zip(parts, totals, strict=True):
-        axis_type = getattr(jax.typeof(part), "manual_axis_type", None)
-        varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
+        varying = _varying_axes(part)
         by_axes.setdefault(tuple(name for name in names if name in varying), []).append(total)
     combined = [
         jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
@@ -204,22 +235,23 @@ def floating_parts(tree: PyTree, join_small: bool | None = None) -> list[jax.Arr
     """The floating leaves of `tree` as parts to reduce, few of them for many leaves.
 
     Complex leaves give their real and imaginary parts. With `join_small` (by default
-    when the process has one device, so that no leaf can be sharded), leaves of at most
-    `SMALL_PART` entries are joined, by dtype, into parts of at most `GROUP_SIZE`
-    entries: XLA compiles one reduction per group instead of one per leaf, and the
-    joined copies, at most `GROUP_SIZE` entries each, are all the memory it takes.
-    Across devices a joined part would gather sharded leaves, so each leaf stays apart.
+    for each leaf that `may_be_sharded` says is not split over devices: on one device, or
+    inside `pmap` or `shard_map`), leaves of at most `SMALL_PART` entries are joined, by
+    dtype (and, under `shard_map`, by the axes they vary over), into parts of at most
+    `GROUP_SIZE` entries: XLA compiles one reduction per group instead of one per leaf,
+    and the joined copies, at most `GROUP_SIZE` entries each, are all the memory it
+    takes. A joined part would gather a sharded leaf, so such a leaf stays apart.
     """
-    if join_small is None:
-        join_small = jax.device_count() == 1
     parts: list[jax.Array] = []
     small: dict[Any, list[jax.Array]] = {}
     for leaf in jax.tree.leaves(tree):
         if not is_floating(leaf):
             continue
+        joins = not may_be_sharded(leaf) if join_small is None else join_small
         for part in [leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf]:
-            if join_small and part.size <= SMALL_PART:
-                small.setdefault(part.dtype, []).append(part.reshape(-1))
+            if joins and part.size <= SMALL_PART:
+                key = (part.dtype, _varying_axes(part))
+                small.setdefault(key, []).append(part.reshape(-1))
             else:
                 parts.append(part)
     for same_dtype in small.values():

@@ -1,7 +1,7 @@
 """Test configuration: JAX gets 8 CPU devices, set before any backend starts.
 
-`JAX_LOSSSCALE_TEST_DEVICES` sets another number: tests/test_one_device.py runs the tests
-of user steps again with one device, as most users train.
+A test whose arrays are on one of them checks gradients as a host with one device does: the
+form of the check is read from where the arrays are (`_numerics.may_be_sharded`).
 
 The workers of one run (pytest-xdist) share a compilation cache, removed at the end: a
 program that takes XLA long to compile (a benchmark's GPT or ResNet step, built by more than
@@ -19,7 +19,7 @@ import pytest
 
 from helpers import JIT_MODES, call_in_mode
 
-jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_LOSSSCALE_TEST_DEVICES", "8")))
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 
@@ -44,7 +44,7 @@ def pytest_unconfigure(config):
 # The files that take longest, first: each worker takes a whole file (`--dist loadfile`), in
 # collection order, so a long file collected last would leave the other workers idle.
 LONGEST_FIRST = [
-    "test_one_device.py", "test_benchmarks.py", "test_integrations.py", "test_reliability.py",
+    "test_benchmarks.py", "test_integrations.py", "test_reliability.py", "test_fp8_meta.py",
     "test_numerics.py", "test_resnet_benchmark.py", "test_loss_scaled.py", "test_value_and_grad.py",
 ]  # fmt: skip
 

@@ -315,7 +315,6 @@ def test_a_nan_batch_leaves_params_buffer_and_key_bit_for_bit(remedy):
         assert last_state(next_state).key.tolist() != before[1][-1].key.tolist()
 
 
-@pytest.mark.multi_device
 def test_pmap_replicas_round_alike():
     devices = jax.local_devices()[:8]
     tx = make_tx("sr")
@@ -339,7 +338,6 @@ def test_pmap_replicas_round_alike():
     assert bool(jnp.any(params["w"][0] != initial_params()["w"]))
 
 
-@pytest.mark.multi_device
 def test_a_sharded_leaf_under_spmd_jit_rounds_as_the_unsharded_leaf():
     mesh = Mesh(np.array(jax.local_devices()[:8]), ("data",))
     params = jnp.linspace(1, 2, 64 * 8, dtype=F32).reshape(64, 8).astype(BF16)

@@ -11,16 +11,8 @@ from helpers import assert_block_prints_what_it_says, python_blocks
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-# The distributed page's set-up line gives JAX 8 devices, as the suite does.
-MULTI_DEVICE_PAGES = {"distributed.md"}
 BLOCKS = [
-    pytest.param(
-        page.name,
-        index,
-        block,
-        id=f"{page.name}[{index}]",
-        marks=[pytest.mark.multi_device] if page.name in MULTI_DEVICE_PAGES else [],
-    )
+    pytest.param(page.name, index, block, id=f"{page.name}[{index}]")
     for page in PAGES
     for index, block in enumerate(python_blocks(page))
 ]

@@ -294,7 +294,6 @@ def _single_device_reference(x, y):
     return WHOLE_TREE_STEP(VARIABLES, TX.init(VARIABLES), x, y)
 
 
-@pytest.mark.multi_device
 def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     n = jax.device_count()
     tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
@@ -329,7 +328,6 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     np.testing.assert_array_equal(jls.get_loss_scale_stats(opt_states).loss_scale, [SCALE / 2] * n)
 
 
-@pytest.mark.multi_device
 def test_spmd_jit_with_a_sharded_batch_equals_one_device():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x = jax.device_put(X, NamedSharding(mesh, PartitionSpec("data")))

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
+from jax_lossscale._numerics import check_gradients
 
 from helpers import assert_bits_equal, stats_tuple
 
@@ -213,17 +215,31 @@ def test_an_infinite_gradient_gives_an_infinite_norm_and_no_nan(
     assert_bits_equal(optax.apply_updates(params, updates), params)
 
 
-def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eager):
+def _on_a_mesh(tree):
+    """`tree` placed on the 8 devices, on a mesh axis that XLA may split it along."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+@pytest.mark.parametrize("placement", ["one device", "a mesh of 8 devices"])
+def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eager, placement):
     """The default DynamicLossScale and a FixedLossScale check the scaled gradients and
-    divide their norm by the scale: bit for bit the norm of the unscaled gradients."""
-    unscaled = {"w": jnp.array([0.1, -2.5, 3e-3]), "b": jnp.array([7.0, 1e-20])}
+    divide their norm by the scale: bit for bit the norm of the unscaled gradients, as the
+    same check takes it (`all_finite`'s reductions, which join small leaves on one device),
+    and, where the leaves may be sharded and each is reduced apart, as optax takes it."""
+    place = _on_a_mesh if placement == "a mesh of 8 devices" else (lambda tree: tree)
+    unscaled = place({"w": jnp.array([0.1, -2.5, 3e-3]), "b": jnp.array([7.0, 1e-20])})
     params = jax.tree.map(jnp.zeros_like, unscaled)
+    expected = jit_or_eager(lambda g: check_gradients(g, None).norm, unscaled)
     for loss_scale in [jls.DynamicLossScale(2.0**15), jls.FixedLossScale(2.0**60)]:
         tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
         scale = float(loss_scale(loss_scale.init()))
         _, opt_state = jit_or_eager(tx.update, scaled(unscaled, scale), tx.init(params), params)
         norm = jls.get_loss_scale_stats(opt_state).grad_norm
-        assert norm == optax.tree.norm(unscaled), loss_scale
+        assert norm == expected, loss_scale
+        if placement == "a mesh of 8 devices":
+            assert norm == optax.tree.norm(unscaled), loss_scale
+        np.testing.assert_allclose(norm, optax.tree.norm(unscaled), rtol=2e-7)
 
 
 def test_an_overridden_update_decides_in_a_subclass(jit_or_eager):

@@ -275,10 +275,20 @@ def _sharding(leaf) -> NamedSharding:
     return NamedSharding(_mesh(), PartitionSpec(AXIS) if split else PartitionSpec())
 
 
+def _placed(tree):
+    """`tree`'s shapes and dtypes, each leaf placed as `_sharding` places it, so that its type
+    names the mesh, as a `jax.device_put` array's does."""
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=_sharding(leaf)), tree
+    )
+
+
 @functools.cache
-def _spmd_jitted(variant: str, optimizer: str):
+def _spmd_jitted(variant: str, optimizer: str, placed: bool = True):
     """The donated synthetic step under SPMD `jit`: params, optimizer state and gradients
-    sharded over the mesh, and kept so on the way out."""
+    sharded over the mesh, and kept so on the way out. With `placed`, the arguments carry
+    their shardings, as arrays placed with `jax.device_put` do; without, the shardings are
+    given as `in_shardings` alone, and the arguments' types name no mesh."""
     tx = _tx(variant, optimizer)
     params = _params()
     state = jax.eval_shape(tx.init, params)
@@ -292,6 +302,8 @@ def _spmd_jitted(variant: str, optimizer: str):
         donate_argnums=(0, 1),
         keep_unused=True,  # every leaf keeps its argument, so the gradients are the last 5 but 1
     )
+    if placed:
+        params, state = _placed(params), _placed(state)
     return step.trace(params, state, params, jnp.float32(2.0))
 
 
@@ -382,12 +394,21 @@ MIN_BELOW_ONE = {
 }
 
 
+# Reductions of the compiled step where no leaf is sharded (inside `pmap`, or on one device
+# of the 8): one per part, a part being a leaf or a group of small leaves of one dtype. The
+# synthetic params are all small (float32 w, b, g and float16 h): two groups under sgd, where
+# the check reads the scaled gradients, one under adam, where it reads the unscaled ones (h
+# unscaled is float32). Each gives the sum for the finite check and the norm, and the NaN
+# flag; there is no other reduction.
+UNSHARDED_REDUCTIONS = {"adam": ["(f32[], pred[])"], "sgd": ["(f32[], pred[])"] * 2}
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("loss_scale", MIN_BELOW_ONE.values(), ids=MIN_BELOW_ONE.keys())
-def test_one_reduction_per_leaf_checks_and_measures_under_pmap(loss_scale, optimizer):
-    """Compiled under `pmap` (CPU): one reduction per gradient leaf, giving both the sum for
-    the finite check and the norm and the NaN flag, and no other reduction; also where a
-    scale that can go below 1 makes the loss scale check the unscaled gradients in its own
+def test_one_reduction_per_part_checks_and_measures_under_pmap(loss_scale, optimizer):
+    """Compiled under `pmap` (CPU): one reduction per part, giving both the sum for the
+    finite check and the norm and the NaN flag, and no other reduction; also where a scale
+    that can go below 1 makes the loss scale check the unscaled gradients in its own
     `update`, which XLA computes together with the norm's."""
     tx = jls.loss_scaled(OPTIMIZERS[optimizer](), loss_scale, axis_name="i")
     params = jax.tree.map(lambda leaf: jnp.stack([leaf] * 2), _params())
@@ -399,7 +420,25 @@ def test_one_reduction_per_leaf_checks_and_measures_under_pmap(loss_scale, optim
 
     pmapped = jax.pmap(step, axis_name="i", devices=jax.devices()[:2], donate_argnums=(0, 1))
     text = pmapped.lower(params, state, params).compile().as_text()
-    assert compiled_reductions(text) == ["(f32[], pred[])"] * 4
+    assert compiled_reductions(text) == UNSHARDED_REDUCTIONS[optimizer]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("loss_scale", MIN_BELOW_ONE.values(), ids=MIN_BELOW_ONE.keys())
+def test_one_reduction_per_part_on_one_device_of_eight(loss_scale, optimizer):
+    """The step jitted with its arrays on one device of this process's 8 compiles as on a
+    host with one device: the same reductions as under `pmap`, no collective; a
+    FixedLossScale, which reads neither flag, has XLA keep the sums alone."""
+    tx = jls.loss_scaled(OPTIMIZERS[optimizer](), loss_scale)
+    params = jax.device_put(_params(), jax.devices()[5])
+    step = jax.jit(_optimizer_step(tx, True), donate_argnums=(0, 1))
+    state = jax.eval_shape(tx.init, params)
+    text = step.lower(params, state, params, jnp.float32(2.0)).compile().as_text()
+    expected = UNSHARDED_REDUCTIONS[optimizer]
+    if isinstance(loss_scale, jls.FixedLossScale):
+        expected = ["f32[]"] * len(expected)
+    assert compiled_reductions(text) == expected
+    assert {opcode for _, opcode, _, _ in hlo_collectives(text)} <= {"conditional"}
 
 
 # --- Custom calls and host transfers --------------------------------------------------------
@@ -532,6 +571,27 @@ def test_spmd_step_all_reduces_scalars_only(variant, optimizer):
         for where, shape, operands in all_reduces
     ]
     assert sorted(observed) == sorted(ALL_REDUCES[optimizer][variant])
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("variant", LOSS_SCALES)
+def test_spmd_step_given_in_shardings_alone_gathers_small_arrays_only(variant, optimizer):
+    """With the shardings given only as `jit`'s `in_shardings`, the arguments' types name no
+    mesh, nothing says a leaf may be sharded, and the check takes the one-pass form: XLA's
+    partitioner then gathers the per-device results of each part's reduction (8 float32
+    sums and 8 flags per part that a flag is read from) and the small leaves (of at most
+    4,096 entries) that are joined, never a larger array. Placing the arrays
+    (`jax.device_put`) or entering the mesh (`jax.sharding.set_mesh`) gives the form of
+    `test_spmd_step_all_reduces_scalars_only`."""
+    found = hlo_collectives(_spmd_jitted(variant, optimizer, False).lower().compile().as_text())
+    assert {opcode for _, opcode, _, _ in found} <= {"all-gather", "all-reduce", "conditional"}
+    gathered = [type_ for _, opcode, type_, _ in found if opcode == "all-gather"]
+    dims = [re.search(r"\[([\d,]*)\]", type_).group(1).split(",") for type_ in gathered]
+    sizes = [int(np.prod([int(n) for n in shape if n])) for shape in dims]
+    assert max(sizes) <= 4096
+    partials = sorted(type_ for type_ in gathered if type_ in ("f32[8]{0}", "pred[8]{0}"))
+    flags_read = 0 if variant == "FixedLossScale" else 2  # parts: two groups of small leaves
+    assert partials == ["f32[8]{0}"] * flags_read + ["pred[8]{0}"] * flags_read
 
 
 def test_the_sharding_readers_find_a_replicated_gradient():

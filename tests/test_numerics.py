@@ -1,19 +1,15 @@
 """The numerics (`_numerics`): `all_finite`, edge cases, leaf checks, agreement across devices."""
 
-import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
@@ -21,9 +17,10 @@ from jax_lossscale._numerics import (
     GROUP_SIZE,
     SMALL_PART,
     check_gradients,
+    finite_flag,
     floating_parts,
+    may_be_sharded,
     square_sums_and_infs,
-    unsharded,
 )
 
 from helpers import compiled_reductions
@@ -330,28 +327,28 @@ def test_spmd_jit_update_without_axis_name_matches_one_device(jit_or_eager, mesh
 
 # --- the reductions behind the finite check and the NaN search --------------------------------
 
-JOIN_SCRIPT = textwrap.dedent(
-    """
-    import json
+JOIN_DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, np.complex64]
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
 
-    import jax_lossscale as jls
-    from jax_lossscale._numerics import check_gradients, finite_flag
-
-    assert jax.device_count() == 1
+def join_tree() -> dict[str, np.ndarray]:
+    """300 small leaves of five dtypes, in more than one group, and two large ones."""
     rng = np.random.default_rng(0)
-    DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, np.complex64]
-    # 300 small leaves of five dtypes, in more than one group, and two large ones.
-    tree = {f"s{i:03d}": rng.normal(size=(int(rng.integers(1, 600)),)).astype(DTYPES[i % 5])
-            for i in range(300)}
+    tree = {
+        f"s{i:03d}": rng.normal(size=(int(rng.integers(1, 600)),)).astype(JOIN_DTYPES[i % 5])
+        for i in range(300)
+    }
     tree["big"] = rng.normal(size=(70, 100)).astype(np.float32)
     tree["big16"] = rng.normal(size=(5000,)).astype(np.float16)
-    has_nan = jax.jit(lambda t: check_gradients(t, None).has_nan)
-    results = []
+    return tree
+
+
+def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
+    """With the leaves committed to one device of the 8 this process has, small leaves are
+    checked together, one reduction per group, as for host arrays; every bad entry is still
+    found."""
+    tree = join_tree()
+    one_device = jax.devices()[5]
+    check = jax.jit(lambda t: (jls.all_finite(t), check_gradients(t, None).has_nan))
     for key in ["s000", "s001", "s004", "s137", "s299", "big", "big16"]:
         for value in ["nan", "inf", "-inf", None]:
             t = dict(tree)
@@ -359,41 +356,39 @@ JOIN_SCRIPT = textwrap.dedent(
                 leaf = np.array(t[key])
                 leaf.reshape(-1)[leaf.size // 2] = float(value)
                 t[key] = leaf
-            results.append([key, value, bool(jls.all_finite(t)), bool(has_nan(t))])
-    jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(tree))
-    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
-    bad = dict(tree, s137=np.full_like(tree["s137"], np.nan))
-    _, state = jax.jit(tx.update)(bad, tx.init(tree), tree)
-    stats = jls.get_loss_scale_stats(state)
-    print(json.dumps({
-        "results": results,
-        "reductions": jaxpr.count("reduce["),
-        "skipped_for_nan": int(stats.nan_skipped_steps),
-    }))
-    """
-)
-
-
-def test_one_device_joins_small_leaves_and_still_finds_each_nan_and_inf():
-    """With one device, small leaves are checked together; every bad entry is still found."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", JOIN_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    for key, value, finite_, has_nan in report["results"]:
-        assert finite_ is (value is None), (key, value)
-        assert has_nan is (value == "nan"), (key, value)
-    assert report["skipped_for_nan"] == 1
+            finite_, has_nan = check(jax.device_put(t, one_device))
+            assert bool(finite_) is (value is None), (key, value)
+            assert bool(has_nan) is (value == "nan"), (key, value)
     # 302 leaves (60 of them complex, so 362 parts): two alone, the small ones in 4 groups,
-    # one per dtype (the complex leaves' parts join the float32 ones).
-    assert report["reductions"] == 2 + 4
+    # one per dtype (the complex leaves' parts join the float32 ones); one pass each.
+    for placed in (tree, jax.device_put(tree, one_device)):
+        jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(placed))
+        assert (jaxpr.count("reduce["), jaxpr.count("reduce_sum[")) == (2 + 4, 0)
+    # A step of loss_scaled counts a NaN in a joined leaf as a NaN skip (ten small leaves of
+    # the five dtypes, in groups, to compile quickly).
+    few = {key: tree[key] for key in sorted(tree)[:10]}
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
+    bad = jax.device_put(dict(few, s007=np.full_like(few["s007"], np.nan)), one_device)
+    _, state = jax.jit(tx.update)(bad, tx.init(few), jax.device_put(few, one_device))
+    assert int(jls.get_loss_scale_stats(state).nan_skipped_steps) == 1
+
+
+def test_leaves_that_may_be_sharded_are_checked_apart_in_two_passes():
+    """Leaves placed on the 8 devices (replicated over a mesh whose axis XLA may split them
+    along): no small leaf is joined, and each part takes two sums, the flag's a count; a NaN
+    in a small leaf is still found."""
+    tree = {
+        "a": np.ones(7, np.float32),
+        "b": np.ones(9, np.float32),
+        "c": np.ones(5, jnp.bfloat16),
+        "z": np.ones(2, np.complex64),
+    }
+    placed = jax.device_put(tree, NamedSharding(auto_mesh(), P()))
+    jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(placed))
+    assert (jaxpr.count("reduce["), jaxpr.count("reduce_sum[")) == (0, 2 * 5)
+    assert bool(jls.all_finite(placed)) is True
+    bad = dict(tree, b=np.array([1.0] * 8 + [np.nan], np.float32))
+    assert bool(jls.all_finite(jax.device_put(bad, NamedSharding(auto_mesh(), P())))) is False
 
 
 # Parts as `floating_parts` gives them, each with its expected (sum of squares, inf flag): the
@@ -442,13 +437,107 @@ def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
     assert reductions(False) == ["f32[]"] * 6
 
 
-def test_the_nan_flag_is_one_pass_where_nothing_can_be_sharded():
-    """One pass inside `pmap` or `shard_map` (an `axis_name`) or with one device; two where
-    SPMD `jit` may shard a leaf over this process's 8 devices."""
+def _in_jit(leaf) -> bool:
+    """`may_be_sharded` of `leaf` as `jit` traces it."""
+    found = []
+    jax.jit(lambda x: found.append(may_be_sharded(x)) or x)(leaf)
+    return found[0]
+
+
+def auto_mesh() -> Mesh:
+    """The 8 devices on an axis whose splits XLA's partitioner chooses (`jax.make_mesh`, as
+    the `mesh` fixture, makes explicit axes)."""
+    return Mesh(np.array(jax.devices()), ("d",))
+
+
+def _explicit_mesh() -> Mesh:
+    return jax.make_mesh((N_DEVICES,), ("e",), axis_types=(AxisType.Explicit,))
+
+
+# Where a leaf is, and whether it may be sharded: split over more than one device by an
+# explicit spec, or on a mesh whose axes XLA's partitioner splits as it chooses (Auto).
+PLACED_LEAVES = {
+    "numpy array": (lambda: np.ones(16, np.float32), False),
+    "jax array, default device": (lambda: jnp.ones(16), False),
+    "committed to device 3 of 8": (lambda: jax.device_put(jnp.ones(16), jax.devices()[3]), False),
+    "auto mesh, split": (
+        lambda: jax.device_put(jnp.ones(16), NamedSharding(auto_mesh(), P("d"))),
+        True,
+    ),
+    "auto mesh, replicated": (
+        lambda: jax.device_put(jnp.ones(16), NamedSharding(auto_mesh(), P())),
+        True,
+    ),
+    "explicit mesh, split": (
+        lambda: jax.device_put(jnp.ones(16), NamedSharding(_explicit_mesh(), P("e"))),
+        True,
+    ),
+    "explicit mesh, replicated": (
+        lambda: jax.device_put(jnp.ones(16), NamedSharding(_explicit_mesh(), P())),
+        False,
+    ),
+    "auto mesh of one device": (
+        lambda: jax.device_put(
+            jnp.ones(16), NamedSharding(Mesh(np.array(jax.devices()[2:3]), ("d",)), P("d"))
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("where", PLACED_LEAVES)
+def test_may_be_sharded_reads_where_the_leaf_is_not_the_device_count(where):
+    """The form of the check follows the leaf, eagerly and as `jit` traces it; this process
+    has 8 devices, and a leaf on one of them is not sharded."""
+    make, expected = PLACED_LEAVES[where]
     assert jax.device_count() == N_DEVICES
-    assert unsharded("batch")
-    assert unsharded(("data", "model"))
-    assert not unsharded(None)
+    assert may_be_sharded(make()) is expected
+    assert _in_jit(make()) is expected
+
+
+def test_may_be_sharded_inside_pmap_and_shard_map_and_under_a_mesh(mesh):
+    """Inside `pmap` and `shard_map` (manual axes) each device's values are its own: not
+    sharded, unless an axis is left to the partitioner (`shard_map` over some axes of the
+    mesh). A mesh entered with `jax.sharding.set_mesh` makes an unplaced leaf one that may be
+    sharded; `jit` given `in_shardings` alone says nothing, and the leaf counts as unsharded
+    (the one-pass form then gathers a pair of scalars per device; tests/test_lowering.py)."""
+    found = []
+
+    def record(x):
+        found.append(may_be_sharded(x))
+        return x
+
+    jax.pmap(record, axis_name="d")(jnp.ones((N_DEVICES, 3)))
+    rows = jax.device_put(jnp.ones(16), NamedSharding(mesh, P("d")))
+    jax.shard_map(record, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(rows)
+    grid = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    jax.shard_map(record, mesh=grid, in_specs=P("a"), out_specs=P("a"), axis_names={"a"})(
+        jnp.ones(16)
+    )
+    split = NamedSharding(auto_mesh(), P("d"))
+    with jax.sharding.set_mesh(auto_mesh()):
+        jax.jit(record)(jnp.ones(16))
+    jax.jit(record, in_shardings=split, out_shardings=split)(jnp.ones(16))
+    assert found == [False, False, True, True, False]
+
+
+def test_under_shard_map_small_leaves_join_by_the_axes_they_vary_over(mesh):
+    """Inside `shard_map` small leaves are joined, but a leaf that varies over the axis (a
+    shard of the gradient, summed over the axis) never with one the same on every device
+    (counted once): two parts, and the norm of the whole gradient."""
+    rows = np.arange(16, dtype=np.float32)  # 2 entries per device
+    same = np.array([3.0, 4.0, 12.0], np.float32)
+
+    def check(shard, whole):
+        parts = floating_parts({"rows": shard, "same": whole})
+        return len(parts), check_gradients({"rows": shard, "same": whole}, "d").norm
+
+    sharded = jax.device_put(rows, NamedSharding(mesh, P("d")))
+    count, norm = jax.shard_map(check, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())(
+        sharded, jax.device_put(same, NamedSharding(mesh, P()))
+    )
+    assert int(count) == 2
+    np.testing.assert_allclose(norm, np.sqrt(np.sum(rows**2) + 169.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [None, np.nan, np.inf], ids=["finite", "nan", "inf"])

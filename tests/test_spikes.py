@@ -110,7 +110,6 @@ def _norm_of(opt_state) -> np.ndarray:
     return np.asarray(jax.device_get(jls.get_loss_scale_stats(opt_state).grad_norm))
 
 
-@pytest.mark.multi_device
 def test_pmap_shard_map_and_spmd_jit_agree_on_the_norm():
     grads = _global_gradient()
     expected = norm64(grads)
@@ -415,7 +414,6 @@ def test_a_spike_skip_leaves_params_and_every_inner_state_bit_identical(make_inn
     chex.assert_trees_all_close(resumed_params, direct_params, rtol=1e-6)
 
 
-@pytest.mark.multi_device
 def test_spike_skipping_under_pmap_every_device_agrees():
     tx = jls.loss_scaled(
         optax.sgd(1.0), jls.FixedLossScale(1.0), axis_name=AXIS, skip_spike_sigmas=1.0,
@@ -470,15 +468,29 @@ def _reductions(compiled_text: str) -> int:
     return len(compiled_reductions(compiled_text))
 
 
-def test_the_norm_comes_from_the_finite_check_s_reductions():
-    """One reduction per leaf checks the gradients, gives their norm and, with one device,
-    whether the leaf holds a NaN. With the suite's 8 devices, where SPMD `jit` could shard a
-    leaf, the NaN flag has a reduction of its own per leaf (under `pmap` it has none:
-    tests/test_lowering.py). The windows' statistics add four. Run with one device by
-    tests/test_one_device.py."""
-    per_leaf = 1 if jax.device_count() == 1 else 2
+# Where the gradients are, and the reductions per leaf: one on one device (of the 8 this
+# process has); two where the leaves may be sharded (placed on a mesh of the 8 devices
+# whose axis XLA's partitioner may split them along), the NaN flag's sum beside the check's.
+NORM_PLACEMENTS = {
+    "one device": (lambda tree: jax.device_put(tree, jax.devices()[5]), 1),
+    "on a mesh of 8 devices": (
+        lambda tree: jax.device_put(
+            tree, NamedSharding(Mesh(np.array(jax.devices()), (AXIS,)), PartitionSpec())
+        ),
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("placement", NORM_PLACEMENTS)
+def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
+    """One reduction per leaf checks the gradients, gives their norm and, on one device,
+    whether the leaf holds a NaN. Where a leaf may be sharded over devices, the NaN flag has
+    a reduction of its own per leaf (under `pmap` it has none: tests/test_lowering.py). The
+    windows' statistics add four."""
+    place, per_leaf = NORM_PLACEMENTS[placement]
     leaves = 6
-    params = {f"l{i}": jnp.ones((5000 + i,)) for i in range(leaves)}
+    params = place({f"l{i}": jnp.ones((5000 + i,)) for i in range(leaves)})
     counts = {}
     for name, options in [
         ("off", {}),

@@ -600,7 +600,6 @@ def distributed_tx():
     return jls.loss_scaled(optax.sgd(0.1), loss_scale, axis_name=AXIS), loss_scale
 
 
-@pytest.mark.multi_device
 def test_under_pmap_one_trace_and_the_scale_agrees_on_every_device():
     tx, loss_scale = distributed_tx()
     fun = loss_in(F16)
