@@ -2,7 +2,9 @@
 the wrapper checks its arguments once, at its edge."""
 
 import collections
+import pickle
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -62,3 +64,17 @@ def test_one_traced_update_runs_each_check_this_many_times(
     counts.clear()
     jax.jit(tx.update).lower(params, state, params)
     assert dict(counts) == expected
+
+
+def test_the_logged_stats_are_the_scale_in_front_of_the_step_stats_and_pickle():
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=8.0))
+    params = {"w": jnp.ones(2)}
+    _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+    stats = jls.get_loss_scale_stats(state)
+    assert type(stats) is jls.LossScaleStats
+    assert tuple(stats) == (stats.loss_scale, *state.stats)
+    assert float(stats.loss_scale) == 4.0
+    assert (int(stats.skipped_steps), int(stats.nan_skipped_steps)) == (1, 1)
+    restored = pickle.loads(pickle.dumps(stats))
+    assert type(restored) is jls.LossScaleStats
+    chex.assert_trees_all_equal(restored, stats)
