@@ -2,6 +2,7 @@
 
 import abc
 import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax
@@ -61,6 +62,13 @@ class LossScale(abc.ABC):
                 cls.reads_only_finiteness = False
             if getattr(cls.adjust, "__isabstractmethod__", False):
                 cls.adjust = _adjust_not_implemented  # type: ignore[method-assign]
+        # A class that defines a public method has it called by `loss_scaled`: the private
+        # core of that method, which takes values `loss_scaled` has checked, becomes a call
+        # of the public method, unless the class defines the core too (as the built-in loss
+        # scales do, whose public methods check, then run the core).
+        for public, (core_name, by_public) in _CORES.items():
+            if public in cls.__dict__ and core_name not in cls.__dict__:
+                setattr(cls, core_name, by_public)
 
     @abc.abstractmethod
     def init(self) -> PyTree:
@@ -91,6 +99,13 @@ class LossScale(abc.ABC):
           >>> should_apply, ls(state)
           (Array(False, dtype=bool), Array(4., dtype=float32))
         """
+
+    def _adjust_checked(self, state: PyTree, grads_finite: jax.Array) -> tuple[PyTree, jax.Array]:
+        """`adjust` of a state `__call__` has read and a flag `loss_scaled` computed.
+
+        A built-in loss scale runs its rule without checking them again; any other runs
+        its `adjust`."""
+        return self.adjust(state, grads_finite)
 
     def update(
         self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
@@ -126,6 +141,13 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=caller)
         check_axis_name(axis_name, caller=caller)
         return self.adjust(state, finite_flag(grads, axis_name))
+
+    def _update_checked(
+        self, state: PyTree, grads: PyTree, axis_name: AxisName | None
+    ) -> tuple[PyTree, jax.Array]:
+        """`update` of checked arguments: `adjust`'s core, given whether they are all finite;
+        the class's own `update` where it defines one."""
+        return self._adjust_checked(state, finite_flag(grads, axis_name))
 
     reads_only_finiteness: ClassVar[bool] = True
     """Whether `update` reads nothing of the gradients but whether they are all finite, so
@@ -213,6 +235,11 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
         return divide_floating(grads, checked_scale(self, state))
 
+    def _unscale_checked(self, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
+        """`unscale` of checked arguments, `scale` being `checked_scale(self, state)`; the
+        class's own `unscale` where it defines one."""
+        return divide_floating(grads, scale)
+
     if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
 
         def __new__(cls, *args, **kwargs):
@@ -266,6 +293,30 @@ def check_should_apply(
             f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
             f"bool scalar array, got {describe(should_apply)}"
         )
+
+
+def _adjust_by_public(
+    self: LossScale, state: PyTree, grads_finite: jax.Array
+) -> tuple[PyTree, jax.Array]:
+    return self.adjust(state, grads_finite)
+
+
+def _update_by_public(
+    self: LossScale, state: PyTree, grads: PyTree, axis_name: AxisName | None
+) -> tuple[PyTree, jax.Array]:
+    return self.update(state, grads, axis_name)
+
+
+def _unscale_by_public(self: LossScale, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
+    return self.unscale(state, grads)
+
+
+# Each public method a subclass may define, its core's name, and the core that calls it.
+_CORES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "adjust": ("_adjust_checked", _adjust_by_public),
+    "update": ("_update_checked", _update_by_public),
+    "unscale": ("_unscale_checked", _unscale_by_public),
+}
 
 
 def _adjust_not_implemented(
