@@ -1,4 +1,4 @@
-"""The `LossScale` protocol shared by every loss scale, and the checks of its contract."""
+"""The `LossScale` protocol shared by every loss scale: the rule public, the checks at its edge."""
 
 import abc
 import inspect
@@ -6,16 +6,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax
-import numpy as np
 
 from jax_lossscale._checks import (
     NOT_GIVEN,
     check_array_leaves,
     check_axis_name,
     check_no_peer_keywords,
+    checked_scale,
     describe,
-    describe_array,
-    is_scalar_array,
     missing_tree_error,
     peer_attribute_error,
 )
@@ -251,48 +249,6 @@ class LossScale(abc.ABC):
             # Called only for attributes not found: another library's (jmp's `.loss_scale`,
             # `.counter`) gets a message saying where the value is here.
             raise peer_attribute_error(self, name)
-
-
-def checked_scale(loss_scale: LossScale, state: PyTree) -> jax.Array:
-    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
-    scale = loss_scale(state)
-    if not is_scalar_array(scale, np.float32):
-        raise TypeError(
-            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
-            f"{describe_array(scale)}"
-        )
-    return scale
-
-
-def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
-    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
-    where `get_loss_scale` reads it."""
-    try:
-        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
-    except AttributeError:
-        found = "none"
-    else:
-        if scale.shape == () and scale.dtype == np.float32:
-            return
-        found = f"dtype {scale.dtype} and shape {scale.shape}"
-    state_type = type(jax.eval_shape(loss_scale.init)).__name__
-    raise TypeError(
-        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
-        "its current scale as a float32 scalar loss_scale (a field or a property), where "
-        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
-        f"with loss_scale of {found}"
-    )
-
-
-def check_should_apply(
-    loss_scale: LossScale, should_apply: Any, caller: str, method: str = "update"
-) -> None:
-    """Raises unless `update` (or `adjust`) returned `should_apply` as a bool scalar array."""
-    if not is_scalar_array(should_apply, np.bool_):
-        raise TypeError(
-            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
-            f"bool scalar array, got {describe(should_apply)}"
-        )
 
 
 def _adjust_by_public(

@@ -6,9 +6,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
+from jax_lossscale._base import LossScale
 from jax_lossscale._branches import apply_or_skip, skips_by_select
-from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
+from jax_lossscale._checks import (
+    check_array_leaves,
+    check_axis_name,
+    check_holds_scale,
+    check_should_apply,
+    checked_scale,
+    describe,
+)
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import check_gradients, unscaled_dtype
