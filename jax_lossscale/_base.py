@@ -1,20 +1,19 @@
-"""The `LossScale` protocol shared by every loss scale, and the checks of its contract."""
+"""The `LossScale` protocol shared by every loss scale: the rule public, the checks at its edge."""
 
 import abc
 import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax
-import numpy as np
 
 from jax_lossscale._checks import (
     NOT_GIVEN,
     check_array_leaves,
     check_axis_name,
     check_no_peer_keywords,
+    checked_scale,
     describe,
-    describe_array,
-    is_scalar_array,
     missing_tree_error,
     peer_attribute_error,
 )
@@ -61,6 +60,13 @@ class LossScale(abc.ABC):
                 cls.reads_only_finiteness = False
             if getattr(cls.adjust, "__isabstractmethod__", False):
                 cls.adjust = _adjust_not_implemented  # type: ignore[method-assign]
+        # A class that defines a public method has it called by `loss_scaled`: the private
+        # core of that method, which takes values `loss_scaled` has checked, becomes a call
+        # of the public method, unless the class defines the core too (as the built-in loss
+        # scales do, whose public methods check, then run the core).
+        for public, (core_name, by_public) in _CORES.items():
+            if public in cls.__dict__ and core_name not in cls.__dict__:
+                setattr(cls, core_name, by_public)
 
     @abc.abstractmethod
     def init(self) -> PyTree:
@@ -91,6 +97,13 @@ class LossScale(abc.ABC):
           >>> should_apply, ls(state)
           (Array(False, dtype=bool), Array(4., dtype=float32))
         """
+
+    def _adjust_checked(self, state: PyTree, grads_finite: jax.Array) -> tuple[PyTree, jax.Array]:
+        """`adjust` of a state `__call__` has read and a flag `loss_scaled` computed.
+
+        A built-in loss scale runs its rule without checking them again; any other runs
+        its `adjust`."""
+        return self.adjust(state, grads_finite)
 
     def update(
         self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
@@ -126,6 +139,13 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=caller)
         check_axis_name(axis_name, caller=caller)
         return self.adjust(state, finite_flag(grads, axis_name))
+
+    def _update_checked(
+        self, state: PyTree, grads: PyTree, axis_name: AxisName | None
+    ) -> tuple[PyTree, jax.Array]:
+        """`update` of checked arguments: `adjust`'s core, given whether they are all finite;
+        the class's own `update` where it defines one."""
+        return self._adjust_checked(state, finite_flag(grads, axis_name))
 
     reads_only_finiteness: ClassVar[bool] = True
     """Whether `update` reads nothing of the gradients but whether they are all finite, so
@@ -213,6 +233,11 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
         return divide_floating(grads, checked_scale(self, state))
 
+    def _unscale_checked(self, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
+        """`unscale` of checked arguments, `scale` being `checked_scale(self, state)`; the
+        class's own `unscale` where it defines one."""
+        return divide_floating(grads, scale)
+
     if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
 
         def __new__(cls, *args, **kwargs):
@@ -226,46 +251,28 @@ class LossScale(abc.ABC):
             raise peer_attribute_error(self, name)
 
 
-def checked_scale(loss_scale: LossScale, state: PyTree) -> jax.Array:
-    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
-    scale = loss_scale(state)
-    if not is_scalar_array(scale, np.float32):
-        raise TypeError(
-            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
-            f"{describe_array(scale)}"
-        )
-    return scale
+def _adjust_by_public(
+    self: LossScale, state: PyTree, grads_finite: jax.Array
+) -> tuple[PyTree, jax.Array]:
+    return self.adjust(state, grads_finite)
 
 
-def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
-    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
-    where `get_loss_scale` reads it."""
-    try:
-        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
-    except AttributeError:
-        found = "none"
-    else:
-        if scale.shape == () and scale.dtype == np.float32:
-            return
-        found = f"dtype {scale.dtype} and shape {scale.shape}"
-    state_type = type(jax.eval_shape(loss_scale.init)).__name__
-    raise TypeError(
-        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
-        "its current scale as a float32 scalar loss_scale (a field or a property), where "
-        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
-        f"with loss_scale of {found}"
-    )
+def _update_by_public(
+    self: LossScale, state: PyTree, grads: PyTree, axis_name: AxisName | None
+) -> tuple[PyTree, jax.Array]:
+    return self.update(state, grads, axis_name)
 
 
-def check_should_apply(
-    loss_scale: LossScale, should_apply: Any, caller: str, method: str = "update"
-) -> None:
-    """Raises unless `update` (or `adjust`) returned `should_apply` as a bool scalar array."""
-    if not is_scalar_array(should_apply, np.bool_):
-        raise TypeError(
-            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
-            f"bool scalar array, got {describe(should_apply)}"
-        )
+def _unscale_by_public(self: LossScale, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
+    return self.unscale(state, grads)
+
+
+# Each public method a subclass may define, its core's name, and the core that calls it.
+_CORES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "adjust": ("_adjust_checked", _adjust_by_public),
+    "update": ("_update_checked", _update_by_public),
+    "unscale": ("_unscale_checked", _unscale_by_public),
+}
 
 
 def _adjust_not_implemented(

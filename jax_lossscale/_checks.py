@@ -1,4 +1,11 @@
-"""Every check of what callers pass in, and the messages that name what was wrong.
+"""The generic checks of what callers pass in, and the messages that name what was wrong.
+
+Here are the checks of hyperparameters, trees, axis names, a loss scale's state and the
+contract of a `LossScale` (what `__call__`, `init`, `update` and `adjust` return). A
+module's checks of its own types stay with it: the wrapper's state and its `inner` and
+`loss_scale` arguments (`_states`, `_loss_scaled`), the spike windows (`_spikes`), the
+bfloat16 weights' states (`_bf16_weights`) and the relations between one loss scale's
+hyperparameters (its `__post_init__`).
 
 Hyperparameters are checked once, when a loss scale or a wrapper is constructed. Each
 check returns the value as a plain Python `float`, `int` or `bool`, so that loss-scale
@@ -7,21 +14,24 @@ objects compare, hash and serialize the same however a number was written (`2**1
 JAX's, counts as the number it holds, while a traced one is refused, since hyperparameters are
 static and fixed when the object is built. Real numbers are rounded to float32, the precision the
 state computes in, so that the checks and the config see the very values the update rule
-uses. Trees, axis names and states are checked where they are used, on shapes and dtypes
-only, so that the checks pass for tracers.
+uses. Trees, axis names and states are checked once, at the public function or method that
+takes them, on shapes and dtypes only, so that the checks pass for tracers.
 """
 
 import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._types import PyTree
+
+if TYPE_CHECKING:  # _base imports this module: the type alone, for type checkers
+    from jax_lossscale._base import LossScale
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
@@ -290,6 +300,51 @@ def check_named_arrays(
                 f"{leaf.shape}; a state replicated for pmap has scalar leaves only inside "
                 "the pmapped function"
             )
+
+
+# --- the contract of a LossScale: what its methods return ------------------------------
+
+
+def checked_scale(loss_scale: "LossScale", state: PyTree) -> jax.Array:
+    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
+    scale = loss_scale(state)
+    if not is_scalar_array(scale, np.float32):
+        raise TypeError(
+            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
+            f"{describe_array(scale)}"
+        )
+    return scale
+
+
+def check_holds_scale(loss_scale: "LossScale", caller: str) -> None:
+    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
+    where `get_loss_scale` reads it."""
+    try:
+        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
+    except AttributeError:
+        found = "none"
+    else:
+        if scale.shape == () and scale.dtype == np.float32:
+            return
+        found = f"dtype {scale.dtype} and shape {scale.shape}"
+    state_type = type(jax.eval_shape(loss_scale.init)).__name__
+    raise TypeError(
+        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
+        "its current scale as a float32 scalar loss_scale (a field or a property), where "
+        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
+        f"with loss_scale of {found}"
+    )
+
+
+def check_should_apply(
+    loss_scale: "LossScale", should_apply: Any, caller: str, method: str = "update"
+) -> None:
+    """Raises unless `update` (or `adjust`) returned `should_apply` as a bool scalar array."""
+    if not is_scalar_array(should_apply, np.bool_):
+        raise TypeError(
+            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
+            f"bool scalar array, got {describe(should_apply)}"
+        )
 
 
 def check_loss_scale_state(loss_scale: Any, state: Any) -> None:

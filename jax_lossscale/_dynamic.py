@@ -175,6 +175,12 @@ class DynamicLossScale(LossScale):
         # jax.jit's wrapper returns Any.
         return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
 
+    def _adjust_checked(
+        self, state: DynamicLossScaleState, grads_finite: jax.Array
+    ) -> tuple[DynamicLossScaleState, jax.Array]:
+        # The rule alone: `loss_scaled` has checked the state, and made the flag.
+        return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
+
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
         full_tolerance = np.int32(self.hysteresis)

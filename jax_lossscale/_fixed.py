@@ -82,6 +82,14 @@ class FixedLossScale(LossScale):
         """
         check_loss_scale_state(self, state)
         check_grads_finite(grads_finite, caller="FixedLossScale.adjust")
+        # Not self._adjust_checked: a subclass's adjust calling this one makes that a call of
+        # its adjust.
+        return FixedLossScale._adjust_checked(self, state, grads_finite)
+
+    def _adjust_checked(
+        self, state: FixedLossScaleState, grads_finite: jax.Array
+    ) -> tuple[FixedLossScaleState, jax.Array]:
+        # The rule alone: `loss_scaled` has checked the state, and made the flag.
         return self.init(), jnp.array(True)
 
     def get_config(self) -> dict[str, Any]:

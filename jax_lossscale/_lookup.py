@@ -69,8 +69,8 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
     """
     state = _find_state(opt_state, "get_loss_scale_stats")
     stats = _unwrapped(_field(state, "stats"))
-    recorded = {field: _field(stats, field) for field in StepStats._fields}
-    return LossScaleStats(loss_scale=_read_scale(state, "get_loss_scale_stats"), **recorded)
+    recorded = StepStats(**{field: _field(stats, field) for field in StepStats._fields})
+    return LossScaleStats._of(_read_scale(state, "get_loss_scale_stats"), recorded)
 
 
 def _is_wrapper_state(node: Any) -> bool:

@@ -6,9 +6,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
+from jax_lossscale._base import LossScale
 from jax_lossscale._branches import apply_or_skip, skips_by_select
-from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
+from jax_lossscale._checks import (
+    check_array_leaves,
+    check_axis_name,
+    check_holds_scale,
+    check_should_apply,
+    checked_scale,
+    describe,
+)
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import check_gradients, unscaled_dtype
@@ -124,6 +131,9 @@ def loss_scaled(
         check_axis_name(axis_name, caller="loss_scaled.update")
         scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
         loss = spike_rule.loss(extra_args.get("value"))
+        # The arguments are checked once, here: from now on the loss scale's private cores
+        # take them, which are its public methods where its class defines them (LossScale).
+        scale = checked_scale(loss_scale, state.loss_scale_state)
 
         # Check. Where the skip is made by selects and the loss scale's `update` reads only
         # whether the gradients are finite (`reads_only_finiteness`: it is `adjust` given
@@ -135,15 +145,14 @@ def loss_scaled(
         # them once).
         select = skips_by_select(state.inner_state, scaled_grads)
         if select and loss_scale.reads_only_finiteness:
-            scale = checked_scale(loss_scale, state.loss_scale_state)
             check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
-            loss_scale_state, scale_applies = loss_scale.adjust(
+            loss_scale_state, scale_applies = loss_scale._adjust_checked(
                 state.loss_scale_state, check.finite
             )
             check_should_apply(loss_scale, scale_applies, "loss_scaled", method="adjust")
         else:
-            grads = loss_scale.unscale(state.loss_scale_state, scaled_grads)
-            loss_scale_state, scale_applies = loss_scale.update(
+            grads = loss_scale._unscale_checked(state.loss_scale_state, scale, scaled_grads)
+            loss_scale_state, scale_applies = loss_scale._update_checked(
                 state.loss_scale_state, meta.with_values(grads), axis_name
             )
             check_should_apply(loss_scale, scale_applies, "loss_scaled")
@@ -163,8 +172,11 @@ def loss_scaled(
         # The applied branch unscales on its own, fused into the inner update (docs/design.md).
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
             with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                barrier = jax.lax.optimization_barrier(state.loss_scale_state)
-                grads = _widened(loss_scale.unscale(barrier, scaled_grads), scaled_grads, params)
+                barrier_state, barrier_scale = jax.lax.optimization_barrier(
+                    (state.loss_scale_state, scale)
+                )
+                grads = loss_scale._unscale_checked(barrier_state, barrier_scale, scaled_grads)
+                grads = _widened(grads, scaled_grads, params)
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
         new_updates, inner_state = apply_or_skip(
@@ -173,7 +185,7 @@ def loss_scaled(
         new_updates = meta.merged(
             new_updates,
             apply,
-            lambda: loss_scale(loss_scale_state) / loss_scale(state.loss_scale_state),
+            lambda: loss_scale(loss_scale_state) / scale,
         )
         stats = next_stats(
             state.stats,

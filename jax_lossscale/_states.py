@@ -68,6 +68,9 @@ class LossScaleStats(NamedTuple):
     """
 
     loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
+    # Then the fields of `StepStats`, in its order (what each holds is said there); the
+    # annotations are written out for type checkers and the API reference, and the values
+    # come from a `StepStats` whole, through `_of`.
     grad_norm: jax.Array
     skipped_steps: jax.Array
     nan_skipped_steps: jax.Array
@@ -75,6 +78,11 @@ class LossScaleStats(NamedTuple):
     spike_skipped_steps: jax.Array
     consecutive_skipped_steps: jax.Array
     last_step_applied: jax.Array
+
+    @classmethod
+    def _of(cls, loss_scale: jax.Array, stats: StepStats) -> "LossScaleStats":
+        """The stats of a state: its scale in front of its `StepStats`."""
+        return cls(loss_scale, *stats)
 
 
 class LossScaledState(NamedTuple):
