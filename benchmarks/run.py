@@ -254,15 +254,17 @@ def run_gpt(args) -> dict[str, list[dict]]:
             name: contender.build(size, vocab) for name, contender in gpt.all_contenders().items()
         }
         compile_times: dict[str, list[float]] = {contender: [] for contender in built}
+        compiled = {}  # each contender's last compile, which its runner then steps
         for _ in range(args.compile_repeats):  # the contenders take turns
             for contender, (step, state) in built.items():
                 jax.clear_caches()
                 start = time.perf_counter()
-                jax.jit(step, donate_argnums=0).trace(state, inputs, targets).lower().compile()
+                jitted = jax.jit(step, donate_argnums=0)
+                compiled[contender] = jitted.trace(state, inputs, targets).lower().compile()
                 compile_times[contender].append(time.perf_counter() - start)
         runners, temp = {}, {}
-        for contender, (step, state) in built.items():
-            runners[contender] = _GptRunner(step, state, inputs, targets)
+        for contender, (_, state) in built.items():
+            runners[contender] = _GptRunner(compiled[contender], state, inputs, targets)
             temp[contender] = runners[contender].temp_bytes
         medians, faults = block_medians(runners, args.repeats, args.block)
         params, leaves = gpt.parameter_count(built["bare"][1])
@@ -309,11 +311,12 @@ class Runner:
 
 
 class _GptRunner:
-    """One contender's compiled GPT train step, its state donated from call to call."""
+    """One contender's compiled GPT train step (jitted with its state donated), the state
+    donated from call to call."""
 
-    def __init__(self, step, state, inputs, targets):
+    def __init__(self, compiled, state, inputs, targets):
         self.state, self.batch = state, (inputs, targets)
-        self.step = jax.jit(step, donate_argnums=0).lower(state, inputs, targets).compile()
+        self.step = compiled
         self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
 
     def __call__(self) -> float:
