@@ -22,7 +22,7 @@ import jax_lossscale as jls
 
 from helpers import bits
 
-VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 2, 16, 4
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 1, 16, 4
 TEXT = b"the loss scale grows while gradients stay finite and backs off when they overflow. "
 POISONED = [False, False, True, False, False, False]
 # DynamicLossScale(2**10, increment_period=2): growth on every second finite step in a row.
@@ -326,14 +326,18 @@ def test_equinox_float16_gpt_train_step_with_donation(params_of):
 def test_equinox_params_that_bare_optax_accepts_are_accepted(params_of):
     """The state initialised on the inexact arrays, `params` given as more: as bare optax takes."""
     model = EqxGPT(jax.random.key(1))
-    grads = eqx.filter_grad(lambda m: eqx_scaled_loss(m, 1.0, *batch(), False)[0])(model)
+    tokens, targets = batch()
+    # Jitted, as a train step runs them: op by op, their many small ops each compile alone.
+    grads = eqx.filter_jit(
+        eqx.filter_grad(lambda m: eqx_scaled_loss(m, 1.0, tokens, targets, False)[0])
+    )(model)
     inner = optax.adamw(1e-3)
-    bare_updates, _ = inner.update(
+    bare_updates, _ = eqx.filter_jit(inner.update)(
         grads, inner.init(eqx.filter(model, eqx.is_inexact_array)), params_of(model)
     )
     tx = jls.loss_scaled(inner, jls.FixedLossScale(1.0))
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
-    updates, _ = tx.update(grads, opt_state, params_of(model))
+    updates, _ = eqx.filter_jit(tx.update)(grads, opt_state, params_of(model))
     chex.assert_trees_all_close(updates, bare_updates, rtol=1e-6)
 
 
