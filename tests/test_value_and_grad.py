@@ -690,7 +690,7 @@ def test_under_shard_map_one_trace_and_the_scale_agrees():
 
 # --- bit-identical to the hand-written steps it replaces ---------------------------------------
 
-VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 32, 32, 4, 2, 8, 4
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 32, 32, 4, 1, 8, 4
 STEPS, POISONED_STEP = 10, 4  # the step whose loss weights hold an inf: skipped
 
 
