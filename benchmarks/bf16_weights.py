@@ -20,8 +20,6 @@ first step of a block (after switching programs) is not timed. Run:
 """
 
 import argparse
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,13 +49,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     results = measure(args)
     results = {"machine": run._machine(), "command": _command(argv), **results}
     print(table(results), flush=True)
-    path = args.json or os.path.join(
-        "benchmarks", "results", f"bf16-weights-{jax.default_backend()}.json"
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as file:
-        json.dump(results, file, indent=1)
-    print(f"wrote {path}")
+    run.write_results(results, args.json or run.default_path("bf16-weights-"))
     return results
 
 
@@ -77,10 +69,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _command(argv: Sequence[str] | None) -> str:
-    import sys
-
-    given = sys.argv[1:] if argv is None else ["bf16-weights", *argv]
-    return "python -m benchmarks " + " ".join(given)
+    return run._command(None if argv is None else ["bf16-weights", *argv])
 
 
 # --- the model ------------------------------------------------------------------------------

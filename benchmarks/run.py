@@ -43,12 +43,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for name, rows in (output if isinstance(output, dict) else {case: output}).items():
             results["cases"][name] = rows
             print(_table(name, rows), flush=True)
-    path = args.json or os.path.join("benchmarks", "results", f"{jax.default_backend()}.json")
+    write_results(results, args.json or default_path(""))
+    return results
+
+
+def default_path(prefix: str) -> str:
+    """benchmarks/results/<prefix><backend>.json, where a run's results go by default."""
+    return os.path.join("benchmarks", "results", f"{prefix}{jax.default_backend()}.json")
+
+
+def write_results(results: dict[str, Any], path: str) -> None:
+    """Writes `results` to `path` as JSON (its folder made if missing) and says so."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:
         json.dump(results, file, indent=1)
     print(f"wrote {path}")
-    return results
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
