@@ -202,9 +202,9 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 new_buffers.append(None)
                 continue
             total = _float32(param) + (_float32(update) + _float32(buffer))
-            rounded = total.astype(dtype)
-            kept = jnp.where(jnp.isfinite(rounded), total - rounded.astype(jnp.float32), 0.0)
-            new_updates.append(_difference(rounded, param))
+            nearest = round_to_nearest(total, dtype)
+            kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
+            new_updates.append(_difference(nearest.astype(dtype), param))
             new_buffers.append(kept.astype(buffer.dtype))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
@@ -256,16 +256,44 @@ def round_float16(x: jax.Array, bits: jax.Array) -> jax.Array:
     """
     x = x.astype(jnp.float32)
     magnitude = jnp.abs(x)
-    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
-    gap_exponent = jnp.maximum(exponent, -14) - 10  # -24 ... 117
-    gap = lax.bitcast_convert_type((gap_exponent + 127) << 23, jnp.float32)
-    inverse_gap = lax.bitcast_convert_type((127 - gap_exponent) << 23, jnp.float32)
+    gap, inverse_gap = _float16_gap(magnitude)
     scaled = magnitude * inverse_gap
     whole = jnp.floor(scaled)
     threshold = jnp.ceil((scaled - whole) * _TWO_TO_32).astype(jnp.uint32)
     up = (bits.astype(jnp.uint32) < threshold).astype(jnp.float32)
     rounded = jnp.copysign((whole + up) * gap, x).astype(jnp.float16)
     return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.float16))
+
+
+def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
+    """The float32 `x` rounded to the nearest bfloat16 or float16 value, ties to even, in float32.
+
+    The rounding is written out in float32 rather than left to a cast and back: XLA may
+    drop a float32 -> bfloat16 -> float32 pair of casts and keep the float32 value (its GPU
+    compiler does, with `xla_allow_excess_precision` on by default), which would leave
+    nothing for the compensation to keep. The result is a value of `dtype` (infinity past
+    its largest finite value), so casting it to `dtype` is exact, kept or dropped.
+    """
+    if jnp.dtype(dtype) == _BF16:
+        pattern = lax.bitcast_convert_type(x, jnp.uint32)
+        tie_to_even = (pattern >> 16) & jnp.uint32(1)
+        cut = (pattern + jnp.uint32(0x7FFF) + tie_to_even) & jnp.uint32(0xFFFF0000)
+        return jnp.where(jnp.isnan(x), x, lax.bitcast_convert_type(cut, jnp.float32))
+    gap, inverse_gap = _float16_gap(jnp.abs(x))
+    nearest = jnp.round(jnp.abs(x) * inverse_gap) * gap  # jnp.round: ties to even
+    largest = float(jnp.finfo(jnp.float16).max)
+    nearest = jnp.where(nearest > largest, jnp.inf, nearest)
+    return jnp.where(jnp.isfinite(x), jnp.copysign(nearest, x), x)
+
+
+def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gap between float16 values at `magnitude` (float32; 2**-24 through the
+    subnormals) and its inverse, both powers of two."""
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
+    gap_exponent = jnp.maximum(exponent, -14) - 10  # -24 ... 117
+    gap = lax.bitcast_convert_type((gap_exponent + 127) << 23, jnp.float32)
+    inverse_gap = lax.bitcast_convert_type((127 - gap_exponent) << 23, jnp.float32)
+    return gap, inverse_gap
 
 
 def _difference(rounded: jax.Array, param: jax.Array) -> jax.Array:

@@ -10,6 +10,8 @@ import re
 
 import chex
 import jax
+import jax.extend
+import jax.numpy as jnp
 import numpy as np
 
 import jax_lossscale as jls
@@ -156,3 +158,68 @@ def assert_block_prints_what_it_says(block: str, name: str, capsys) -> None:
     exec(compile(block, name, "exec"), {})
     expected = [match.split(" (")[0] for match in re.findall(r"# -> (.*)", block)]
     assert capsys.readouterr().out.split("\n")[: len(expected)] == expected
+
+
+HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# Ops XLA may run on half-precision operands held in float32 (elementwise and layout ops).
+EXCESS_PRECISION_OPS = {
+    "abs", "add", "broadcast_in_dim", "ceil", "concatenate", "copysign", "div", "eq", "exp",
+    "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log", "lt", "max", "min", "mul",
+    "ne", "neg", "reshape", "round", "select_n", "sign", "sqrt", "squeeze", "sub", "square",
+}  # fmt: skip
+
+
+def with_excess_precision(fn):
+    """`fn` run as XLA's GPU compiler may run it (`xla_allow_excess_precision`, on by default):
+    a float32 value cast to bfloat16 or float16 keeps its float32 bits while it feeds only
+    elementwise ops and casts back to float32; it is rounded where another op needs the
+    declared type (a bitcast, say) and at the outputs. The CPU compiler rounds at every
+    cast, so a rounding that relies on a cast and back shows its GPU result only here."""
+
+    def run(*args):
+        closed = jax.make_jaxpr(fn)(*args)
+        outputs = _run_with_excess_precision(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        declared = [var.aval.dtype for var in closed.jaxpr.outvars]
+        outputs = [value.astype(dtype) for value, dtype in zip(outputs, declared, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *args)), outputs)
+
+    return run
+
+
+def _run_with_excess_precision(jaxpr, consts, args):
+    env = {}
+
+    def read(var):
+        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        values = [jnp.asarray(read(var)) for var in eqn.invars]
+        declared = [var.aval.dtype for var in eqn.invars]
+        excess = [
+            value.dtype == jnp.float32 and dtype in HALF_DTYPES
+            for value, dtype in zip(values, declared, strict=True)
+        ]
+        name = eqn.primitive.name
+        if (
+            name == "convert_element_type"
+            and values[0].dtype == jnp.float32
+            and (np.dtype(eqn.params["new_dtype"]) in (*HALF_DTYPES, np.dtype(jnp.float32)))
+        ):
+            outputs = [values[0]]  # the cast to half precision (or back) is dropped
+        elif name in ("jit", "pjit"):
+            inner = eqn.params["jaxpr"]
+            outputs = _run_with_excess_precision(inner.jaxpr, inner.consts, values)
+        else:
+            if name in EXCESS_PRECISION_OPS and any(excess):
+                values = [v.astype(jnp.float32) if v.dtype in HALF_DTYPES else v for v in values]
+            else:
+                values = [
+                    v.astype(d) if wide else v
+                    for v, d, wide in zip(values, declared, excess, strict=True)
+                ]
+            outputs = eqn.primitive.bind(*values, **eqn.params)
+            outputs = outputs if eqn.primitive.multiple_results else [outputs]
+        env.update(zip(eqn.outvars, outputs, strict=True))
+    return [read(var) for var in jaxpr.outvars]

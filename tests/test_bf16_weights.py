@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jax_lossscale as jls
 from jax_lossscale import _bf16_weights
 
-from helpers import assert_bits_equal, bits
+from helpers import assert_bits_equal, bits, with_excess_precision
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEYS = 4096
@@ -220,6 +220,66 @@ def test_wider_and_non_floating_leaves_pass_through_as_the_inner_updates():
         assert optax.apply_updates(params, new_updates)["bf16"].tolist() == [2.0] * 3
     assert state.compensation["f32"] is None
     assert state.compensation["bf16"].dtype == BF16
+
+
+def float32_samples() -> np.ndarray:
+    """Float32 values of both signs: random bit patterns, every tie and neighbour of a tie
+    between bfloat16 values in [1, 2), and the edges (subnormals, the largest values of
+    each dtype and past them, infinities, NaN)."""
+    patterns = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64)
+    ties = (np.uint64(0x3F800000) + np.arange(128, dtype=np.uint64) * 0x10000)[:, None]
+    ties = (ties + np.array([0x7FFF, 0x8000, 0x8001], dtype=np.uint64)).ravel()
+    values = np.concatenate(
+        [patterns.astype(np.uint32).view(np.float32), ties.astype(np.uint32).view(np.float32)]
+    )
+    edges = np.array(
+        [0.0, 1e-45, 3e-39, 6e-8, 2.0**-25, 3 * 2.0**-26, 65504, 65519.99, 65520, 3.3e38, 3.4e38,
+         np.inf, np.nan], np.float32,
+    )  # fmt: skip
+    return np.concatenate([values, edges, -values, -edges])
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_round_to_nearest_is_the_cast_written_out_in_float32(dtype):
+    """Kahan's rounding equals NumPy's cast (ml_dtypes for bfloat16, ties to even) on every
+    sample, bit for bit, and is a value of the dtype, so casting it to the dtype is exact."""
+    x = float32_samples()
+    nearest = np.asarray(jax.jit(_bf16_weights.round_to_nearest, static_argnums=1)(x, dtype))
+    with np.errstate(over="ignore", invalid="ignore"):  # the edges overflow, NaN is NaN
+        cast = x.astype(dtype)
+        recast = nearest.astype(dtype).astype(np.float32)
+    finite = np.isfinite(cast)
+    np.testing.assert_array_equal(nearest[finite], cast[finite].astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(nearest), np.isnan(x))
+    np.testing.assert_array_equal(nearest[np.isinf(cast)], cast[np.isinf(cast)].astype(F32))
+    np.testing.assert_array_equal(recast[finite], nearest[finite])
+
+
+def test_kahan_and_stochastic_rounding_give_the_same_bits_when_half_casts_keep_float32():
+    """XLA's GPU compiler may drop a float32 -> bfloat16 -> float32 pair of casts; a Kahan
+    step that rounded through one then kept nothing in its buffer and stalled as nearest
+    rounding does (found on an H100). Run with the casts dropped (`with_excess_precision`),
+    both remedies give the bits of the CPU's run, the stall's cure included."""
+    params = jnp.ones(3, BF16)
+    for tx in (
+        jls.kahan_summation(),
+        jls.kahan_summation(F32),
+        jls.stochastic_rounding(jax.random.key(0)),
+    ):
+        steps = {"cpu": params, "excess precision": params}
+        states = dict.fromkeys(steps, tx.init(params))
+        update = {"cpu": jax.jit(tx.update), "excess precision": with_excess_precision(tx.update)}
+        for _ in range(12):
+            for run in steps:
+                updates, states[run] = update[run](jnp.full(3, -1e-3, F32), states[run], steps[run])
+                steps[run] = optax.apply_updates(steps[run], updates)
+        assert_bits_equal(steps["excess precision"], steps["cpu"])
+        assert_bits_equal(states["excess precision"], states["cpu"])
+        assert float(steps["cpu"][0]) < 1.0  # 12 * 1e-3 moved the weight: no stall
+    old_rounding = with_excess_precision(
+        lambda total: total.astype(BF16).astype(F32)  # what kahan_summation did
+    )(jnp.full(3, 1 - 3e-3, F32))
+    assert old_rounding.tolist() == [np.float32(1 - 3e-3)] * 3  # not rounded: nothing kept
 
 
 # --- the stall and its cure ---------------------------------------------------------------
