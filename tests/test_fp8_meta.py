@@ -41,8 +41,15 @@ MODEL = MLP()
 X = jax.random.normal(jax.random.key(1), (32, 8))
 Y = jax.random.normal(jax.random.key(2), (32, 1))
 X_INF = X.at[0, 0].set(jnp.inf)  # one bad pixel: fp8 casts saturate, the loss stays finite
-with pytest.warns(DeprecationWarning, match="Fp8DotGeneralOp is deprecated"):
-    VARIABLES = MODEL.init(jax.random.key(0), X)
+
+
+@functools.cache
+def initial_variables():
+    """The model's initial variables, made at the first test that needs them, not at import."""
+    with pytest.warns(DeprecationWarning, match="Fp8DotGeneralOp is deprecated"):
+        return MODEL.init(jax.random.key(0), X)
+
+
 KERNEL_AMAX = 0.779305636882782  # max |kernel| of the first layer
 INPUT_AMAX = 3.036859989166260  # max |X|
 
@@ -105,30 +112,30 @@ def test_the_collection_name_is_flax_s():
 def test_whole_tree_meta_leaves_are_set_not_optimized():
     # Before: meta leaves treated as params (fp8_meta=False) are unscaled and fed to adam.
     tx = _tx(fp8_meta=False)
-    garbage, _ = _whole_tree_step(tx)(VARIABLES, tx.init(VARIABLES), X, Y)
+    garbage, _ = _whole_tree_step(tx)(initial_variables(), tx.init(initial_variables()), X, Y)
     np.testing.assert_allclose(_layer(garbage)["kernel_scale"], [0.9900002], rtol=1e-6)
     np.testing.assert_allclose(_layer(garbage)["kernel_amax_history"][0], -0.0099998, rtol=1e-4)
 
-    variables, opt_state = WHOLE_TREE_STEP(VARIABLES, TX.init(VARIABLES), X, Y)
+    variables, opt_state = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), X, Y)
     layer = _layer(variables)
     assert float(layer["kernel_scale"][0]) == 1.0
     assert float(layer["kernel_amax_history"][0]) == np.float32(KERNEL_AMAX)
     assert float(layer["input_amax_history"][0]) == np.float32(INPUT_AMAX)
     assert float(layer["output_grad_amax_history"][0]) == 36.0  # of the scaled gradient
-    assert float(jnp.max(jnp.abs(VARIABLES["params"]["Dense_0"]["kernel"]))) == np.float32(
-        KERNEL_AMAX
-    )
+    assert float(
+        jnp.max(jnp.abs(initial_variables()["params"]["Dense_0"]["kernel"]))
+    ) == np.float32(KERNEL_AMAX)
     np.testing.assert_array_equal(layer["kernel_amax_history"][1:], np.zeros(1023, np.float32))
     # Never given to inner: adam's moments have no entry for them.
     mu = opt_state.inner_state[0].mu
     assert jax.tree.leaves(mu[OWG]) == []
-    assert jax.tree.structure(mu["params"]) == jax.tree.structure(VARIABLES["params"])
+    assert jax.tree.structure(mu["params"]) == jax.tree.structure(initial_variables()["params"])
 
 
 def test_train_state_route_sees_an_inf_amax_as_an_overflow():
     batches = [X, X_INF, X]
     # Before: flax's TrainState hands the optimizer the params alone and copies the collection.
-    state = train_state.TrainState.create(apply_fn=MODEL.apply, params=VARIABLES, tx=TX)
+    state = train_state.TrainState.create(apply_fn=MODEL.apply, params=initial_variables(), tx=TX)
 
     @jax.jit
     def flax_step(state, x, y):
@@ -142,7 +149,7 @@ def test_train_state_route_sees_an_inf_amax_as_an_overflow():
     np.testing.assert_allclose(_layer(state.params)["input_scale"], [0.0067787], rtol=1e-4)
 
     # After: the whole gradients to tx.update, the collection through where_applied.
-    variables, opt_state = VARIABLES, TX.init(VARIABLES)
+    variables, opt_state = initial_variables(), TX.init(initial_variables())
     variables, opt_state = TRAIN_STATE_STEP(variables, opt_state, X, Y)
     after_first = jax.tree.map(np.asarray, variables)
     variables, opt_state = TRAIN_STATE_STEP(variables, opt_state, X_INF, Y)
@@ -160,7 +167,7 @@ def test_train_state_route_sees_an_inf_amax_as_an_overflow():
 
 
 def test_whole_tree_skip_keeps_every_bit_and_backs_off():
-    variables, opt_state = WHOLE_TREE_STEP(VARIABLES, TX.init(VARIABLES), X, Y)
+    variables, opt_state = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), X, Y)
     before = jax.tree.map(np.asarray, variables)
     variables, opt_state = WHOLE_TREE_STEP(variables, opt_state, X_INF, Y)
     assert_bits_equal(variables, before)
@@ -174,8 +181,8 @@ def test_whole_tree_equals_the_train_state_route_on_clean_steps():
     inner = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
     tx = _tx(inner)
     whole, train = _whole_tree_step(tx), _train_state_step(tx)
-    a, a_state = VARIABLES, tx.init(VARIABLES)
-    b, b_state = VARIABLES, tx.init(VARIABLES)
+    a, a_state = initial_variables(), tx.init(initial_variables())
+    b, b_state = initial_variables(), tx.init(initial_variables())
     for k in range(3):
         x = X * (1.0 + k)
         old = a
@@ -277,7 +284,7 @@ def test_bad_fp8_meta_arguments():
 def test_optax_multisteps_inside_keeps_every_microbatch_amax():
     tx = _tx(optax.MultiSteps(optax.adam(1e-2), 2))
     step = _train_state_step(tx)  # exact, so that the entries are the amaxes bit for bit
-    variables, opt_state = VARIABLES, tx.init(VARIABLES)
+    variables, opt_state = initial_variables(), tx.init(initial_variables())
     for x in [X, 2 * X, X_INF, 0.5 * X, 4 * X]:  # the third microbatch overflows: dropped
         variables, opt_state = step(variables, opt_state, x, Y)
     history = np.asarray(_layer(variables)["input_amax_history"])
@@ -291,7 +298,7 @@ def test_optax_multisteps_inside_keeps_every_microbatch_amax():
 
 def _single_device_reference(x, y):
     """One step on the whole batch on one device."""
-    return WHOLE_TREE_STEP(VARIABLES, TX.init(VARIABLES), x, y)
+    return WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), x, y)
 
 
 def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
@@ -311,7 +318,7 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
         return optax.apply_updates(variables, updates), opt_state
 
     shards = X.reshape(n, -1, 8), Y.reshape(n, -1, 1)
-    replicas, opt_states = step(VARIABLES, tx.init(VARIABLES), *shards)
+    replicas, opt_states = step(initial_variables(), tx.init(initial_variables()), *shards)
     first = jax.tree.map(lambda leaf: leaf[0], replicas)
     for k in range(1, n):
         assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], replicas), first)
@@ -322,9 +329,9 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
 
     # One device's inf pixel skips the step on every device, the meta kept everywhere.
     bad = X_INF.reshape(n, -1, 8)[::-1], shards[1][::-1]
-    kept, opt_states = step(VARIABLES, tx.init(VARIABLES), *bad)
+    kept, opt_states = step(initial_variables(), tx.init(initial_variables()), *bad)
     for k in range(n):
-        assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], kept), VARIABLES)
+        assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], kept), initial_variables())
     np.testing.assert_array_equal(jls.get_loss_scale_stats(opt_states).loss_scale, [SCALE / 2] * n)
 
 
@@ -332,7 +339,7 @@ def test_spmd_jit_with_a_sharded_batch_equals_one_device():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x = jax.device_put(X, NamedSharding(mesh, PartitionSpec("data")))
     y = jax.device_put(Y, NamedSharding(mesh, PartitionSpec("data")))
-    got, _ = WHOLE_TREE_STEP(VARIABLES, TX.init(VARIABLES), x, y)
+    got, _ = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), x, y)
     expected, _ = _single_device_reference(X, Y)
     chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
     assert float(_layer(got)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
@@ -353,8 +360,12 @@ def _saturation(grads):
 
 def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
     tx = _tx(loss_scale=jls.DynamicLossScale(SCALE, increment_period=1))
-    followed, followed_state = _whole_tree_step(tx)(VARIABLES, tx.init(VARIABLES), X, Y)
-    plain, plain_state = _train_state_step(tx)(VARIABLES, tx.init(VARIABLES), X, Y)
+    followed, followed_state = _whole_tree_step(tx)(
+        initial_variables(), tx.init(initial_variables()), X, Y
+    )
+    plain, plain_state = _train_state_step(tx)(
+        initial_variables(), tx.init(initial_variables()), X, Y
+    )
     assert float(jls.get_loss_scale(followed_state)) == 2 * SCALE
     layer = _layer(followed)
     assert float(_layer(plain)["output_grad_amax_history"][0]) == 36.0
