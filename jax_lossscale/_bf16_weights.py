@@ -275,10 +275,11 @@ def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
     its largest finite value), so casting it to `dtype` is exact, kept or dropped.
     """
     if jnp.dtype(dtype) == _BF16:
-        pattern = lax.bitcast_convert_type(x, jnp.uint32)
-        tie_to_even = (pattern >> 16) & jnp.uint32(1)
-        cut = (pattern + jnp.uint32(0x7FFF) + tie_to_even) & jnp.uint32(0xFFFF0000)
-        return jnp.where(jnp.isnan(x), x, lax.bitcast_convert_type(cut, jnp.float32))
+        # Carrying 2**15 - 1 into the 16 dropped bits, plus their neighbour's last bit, carries
+        # exactly past half a gap, and at half a gap toward the even neighbour.
+        tie_to_even = (lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(1)
+        bits = (jnp.uint32(0x7FFF) + tie_to_even).astype(jnp.uint16)
+        return round_bfloat16(x, bits).astype(jnp.float32)
     gap, inverse_gap = _float16_gap(jnp.abs(x))
     nearest = jnp.round(jnp.abs(x) * inverse_gap) * gap  # jnp.round: ties to even
     largest = float(jnp.finfo(jnp.float16).max)
