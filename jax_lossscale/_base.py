@@ -1,26 +1,37 @@
-"""The `LossScale` protocol shared by every loss scale: the rule public, the checks at its edge."""
+"""The `LossScale` protocol: a subclass writes the rule, `adjust`; the rest is final here.
+
+The checks of what a loss scale's methods return (the contract) live here too, beside the
+protocol they check.
+"""
 
 import abc
+import functools
 import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import jax
+import numpy as np
 
 from jax_lossscale._checks import (
     NOT_GIVEN,
     check_array_leaves,
     check_axis_name,
-    check_no_peer_keywords,
-    checked_scale,
+    check_named_arrays,
     describe,
+    describe_array,
+    is_scalar_array,
+)
+from jax_lossscale._numerics import divide_floating, finite_flag, multiply_floating
+from jax_lossscale._peer_hints import (
+    check_no_peer_keywords,
     missing_tree_error,
     peer_attribute_error,
 )
-from jax_lossscale._numerics import divide_floating, finite_flag, multiply_floating
 from jax_lossscale._types import AxisName, PyTree
 
 _Self = TypeVar("_Self", bound="LossScale")
+
+_FINAL = ("update", "scale", "unscale")  # what a subclass may call but not define
 
 
 class LossScale(abc.ABC):
@@ -33,8 +44,10 @@ class LossScale(abc.ABC):
 
     Subclasses implement `init`, `__call__`, `adjust` (the rule, given whether a step's
     gradients are finite) and `get_config`; `update` (the finite test, then `adjust`),
-    `scale`, `unscale` and `from_config` come with it. A rule that reads more of the
-    gradients overrides `update` instead of `adjust`. The state holds the current scale as
+    `scale`, `unscale` and `from_config` come with it. `update`, `scale` and `unscale` are
+    final: a subclass that defines one is refused when the class is created, since
+    `loss_scaled` makes its own finite check of the scaled gradients and calls `adjust`.
+    The state holds the current scale as
     `loss_scale`, a float32 scalar field (or a property computing it from the
     other fields), and `__call__` returns it: that is where `get_loss_scale` reads
     the scale of a `loss_scaled` state. Every subclass is registered with
@@ -54,19 +67,14 @@ class LossScale(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        for name in _FINAL:
+            if name in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} defines {name}, which LossScale keeps final: a loss scale "
+                    "writes its rule as adjust(state, grads_finite), which update calls after "
+                    "the finite test and loss_scaled calls after its own"
+                )
         jax.tree_util.register_static(cls)
-        if "update" in cls.__dict__:
-            if "reads_only_finiteness" not in cls.__dict__:
-                cls.reads_only_finiteness = False
-            if getattr(cls.adjust, "__isabstractmethod__", False):
-                cls.adjust = _adjust_not_implemented  # type: ignore[method-assign]
-        # A class that defines a public method has it called by `loss_scaled`: the private
-        # core of that method, which takes values `loss_scaled` has checked, becomes a call
-        # of the public method, unless the class defines the core too (as the built-in loss
-        # scales do, whose public methods check, then run the core).
-        for public, (core_name, by_public) in _CORES.items():
-            if public in cls.__dict__ and core_name not in cls.__dict__:
-                setattr(cls, core_name, by_public)
 
     @abc.abstractmethod
     def init(self) -> PyTree:
@@ -98,22 +106,12 @@ class LossScale(abc.ABC):
           (Array(False, dtype=bool), Array(4., dtype=float32))
         """
 
-    def _adjust_checked(self, state: PyTree, grads_finite: jax.Array) -> tuple[PyTree, jax.Array]:
-        """`adjust` of a state `__call__` has read and a flag `loss_scaled` computed.
-
-        A built-in loss scale runs its rule without checking them again; any other runs
-        its `adjust`."""
-        return self.adjust(state, grads_finite)
-
+    @final
     def update(
         self, state: PyTree, grads: PyTree, axis_name: AxisName | None = None
     ) -> tuple[PyTree, jax.Array]:
         """Advances the state given this step's unscaled gradients: `adjust`, given whether
         they are all finite.
-
-        A loss scale whose rule reads more of the gradients than whether they are finite
-        overrides `update` instead of `adjust`; `loss_scaled` then calls its `update` (see
-        `reads_only_finiteness`).
 
         Args:
           state: the current state.
@@ -138,23 +136,9 @@ class LossScale(abc.ABC):
         caller = f"{type(self).__name__}.update"
         check_array_leaves(grads, arg_name="grads", caller=caller)
         check_axis_name(axis_name, caller=caller)
-        return self.adjust(state, finite_flag(grads, axis_name))
-
-    def _update_checked(
-        self, state: PyTree, grads: PyTree, axis_name: AxisName | None
-    ) -> tuple[PyTree, jax.Array]:
-        """`update` of checked arguments: `adjust`'s core, given whether they are all finite;
-        the class's own `update` where it defines one."""
-        return self._adjust_checked(state, finite_flag(grads, axis_name))
-
-    reads_only_finiteness: ClassVar[bool] = True
-    """Whether `update` reads nothing of the gradients but whether they are all finite, so
-    that `loss_scaled` may test them in its own pass over the scaled gradients and call
-    `adjust` (no unscaled copy is made). True unless the class, or a base of it below
-    `LossScale`, defines `update`: `loss_scaled` then calls that `update` with the unscaled
-    gradients. Both give the same numbers to a loss scale whose `update` is `adjust` of the
-    finite flag; a subclass whose `update` only adds to the base's (a log) may set it back
-    to True, and its `update` is then not called by `loss_scaled`."""
+        new_state, should_apply = self.adjust(state, finite_flag(grads, axis_name))
+        check_should_apply(self, should_apply, caller, method="adjust")
+        return new_state, should_apply
 
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
@@ -190,6 +174,7 @@ class LossScale(abc.ABC):
                 )
         return cls(**config)
 
+    @final
     def scale(self, state: PyTree, tree: PyTree = NOT_GIVEN) -> PyTree:
         """Multiplies every floating leaf of `tree` (usually the loss) by the scale.
 
@@ -207,6 +192,7 @@ class LossScale(abc.ABC):
         check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
         return multiply_floating(tree, checked_scale(self, state))
 
+    @final
     def unscale(self, state: PyTree, grads: PyTree = NOT_GIVEN) -> PyTree:
         """Divides every floating leaf of `grads` by the scale.
 
@@ -233,11 +219,6 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
         return divide_floating(grads, checked_scale(self, state))
 
-    def _unscale_checked(self, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
-        """`unscale` of checked arguments, `scale` being `checked_scale(self, state)`; the
-        class's own `unscale` where it defines one."""
-        return divide_floating(grads, scale)
-
     if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
 
         def __new__(cls, *args, **kwargs):
@@ -251,36 +232,56 @@ class LossScale(abc.ABC):
             raise peer_attribute_error(self, name)
 
 
-def _adjust_by_public(
-    self: LossScale, state: PyTree, grads_finite: jax.Array
-) -> tuple[PyTree, jax.Array]:
-    return self.adjust(state, grads_finite)
+def checked_scale(loss_scale: LossScale, state: PyTree) -> jax.Array:
+    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
+    scale = loss_scale(state)
+    if not is_scalar_array(scale, np.float32):
+        raise TypeError(
+            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
+            f"{describe_array(scale)}"
+        )
+    return scale
 
 
-def _update_by_public(
-    self: LossScale, state: PyTree, grads: PyTree, axis_name: AxisName | None
-) -> tuple[PyTree, jax.Array]:
-    return self.update(state, grads, axis_name)
-
-
-def _unscale_by_public(self: LossScale, state: PyTree, scale: jax.Array, grads: PyTree) -> PyTree:
-    return self.unscale(state, grads)
-
-
-# Each public method a subclass may define, its core's name, and the core that calls it.
-_CORES: dict[str, tuple[str, Callable[..., Any]]] = {
-    "adjust": ("_adjust_checked", _adjust_by_public),
-    "update": ("_update_checked", _update_by_public),
-    "unscale": ("_unscale_checked", _unscale_by_public),
-}
-
-
-def _adjust_not_implemented(
-    self: LossScale, state: PyTree, grads_finite: jax.Array
-) -> tuple[PyTree, jax.Array]:
-    """The `adjust` of a loss scale that defines `update` alone: its rule reads more of the
-    gradients than whether they are finite."""
-    raise NotImplementedError(
-        f"{type(self).__name__} defines update, not adjust: its rule reads the unscaled "
-        "gradients; call update"
+def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
+    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
+    where `get_loss_scale` reads it."""
+    try:
+        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
+    except AttributeError:
+        found = "none"
+    else:
+        if scale.shape == () and scale.dtype == np.float32:
+            return
+        found = f"dtype {scale.dtype} and shape {scale.shape}"
+    state_type = type(jax.eval_shape(loss_scale.init)).__name__
+    raise TypeError(
+        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
+        "its current scale as a float32 scalar loss_scale (a field or a property), where "
+        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
+        f"with loss_scale of {found}"
     )
+
+
+def check_should_apply(
+    loss_scale: LossScale, should_apply: Any, caller: str, method: str = "adjust"
+) -> None:
+    """Raises unless `adjust` returned `should_apply` as a bool scalar array."""
+    if not is_scalar_array(should_apply, np.bool_):
+        raise TypeError(
+            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
+            f"bool scalar array, got {describe(should_apply)}"
+        )
+
+
+def check_loss_scale_state(loss_scale: LossScale, state: Any) -> None:
+    """Raises unless `state` is a NamedTuple of arrays like those `loss_scale.init()` returns."""
+    name = type(loss_scale).__name__
+    check_named_arrays(
+        state, _initial_state_type(loss_scale), where=name, label="state", source=f"{name}.init()"
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _initial_state_type(loss_scale: LossScale) -> Any:
+    return jax.eval_shape(loss_scale.init)

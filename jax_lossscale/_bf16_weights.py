@@ -18,7 +18,7 @@ import optax
 from jax import lax
 
 from jax_lossscale._checks import describe, describe_array, is_at_least_float32, path_name
-from jax_lossscale._policy import _floating_dtype
+from jax_lossscale._policy import floating_dtype
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _F16 = jnp.dtype(jnp.float16)
@@ -160,7 +160,7 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     buffer_dtype = (
         None
         if compensation_dtype is None
-        else _floating_dtype(compensation_dtype, "kahan_summation", "compensation_dtype")
+        else floating_dtype(compensation_dtype, "kahan_summation", "compensation_dtype")
     )
 
     def init_fn(params: optax.Params) -> KahanSummationState:

@@ -1,11 +1,12 @@
 """The generic checks of what callers pass in, and the messages that name what was wrong.
 
-Here are the checks of hyperparameters, trees, axis names, a loss scale's state and the
-contract of a `LossScale` (what `__call__`, `init`, `update` and `adjust` return). A
-module's checks of its own types stay with it: the wrapper's state and its `inner` and
-`loss_scale` arguments (`_states`, `_loss_scaled`), the spike windows (`_spikes`), the
+Here are the generic checks: of hyperparameters, trees, axis names and NamedTuple states. A
+module's checks of its own types stay with it: the contract of a `LossScale` (what its
+methods return, its state) with the protocol (`_base`), the wrapper's state and its `inner`
+and `loss_scale` arguments (`_states`, `_loss_scaled`), the spike windows (`_spikes`), the
 bfloat16 weights' states (`_bf16_weights`) and the relations between one loss scale's
-hyperparameters (its `__post_init__`).
+hyperparameters (its `__post_init__`). The hints for users of other libraries are in
+`_peer_hints`.
 
 Hyperparameters are checked once, when a loss scale or a wrapper is constructed. Each
 check returns the value as a plain Python `float`, `int` or `bool`, so that loss-scale
@@ -14,24 +15,20 @@ objects compare, hash and serialize the same however a number was written (`2**1
 JAX's, counts as the number it holds, while a traced one is refused, since hyperparameters are
 static and fixed when the object is built. Real numbers are rounded to float32, the precision the
 state computes in, so that the checks and the config see the very values the update rule
-uses. Trees, axis names and states are checked once, at the public function or method that
+uses. Trees, axis names and states are checked at the public function or method that
 takes them, on shapes and dtypes only, so that the checks pass for tracers.
 """
 
-import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._types import PyTree
-
-if TYPE_CHECKING:  # _base imports this module: the type alone, for type checkers
-    from jax_lossscale._base import LossScale
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
@@ -89,26 +86,30 @@ def fail(
 # --- hyperparameters ----------------------------------------------------------------------
 
 
+_STATIC = (
+    "a static Python number (or a concrete NumPy or JAX scalar), not a value traced by jit, "
+    "grad or vmap: hyperparameters are fixed when the object is built, so build it outside "
+    "the traced function"
+)
+
+
 def held_number(
-    owner: str, name: str, value: Any, requirement: str, kind: Callable[[Any], bool]
+    owner: str,
+    name: str,
+    value: Any,
+    requirement: str,
+    kind: Callable[[Any], bool],
+    traced: str = _STATIC,
 ) -> Any:
     """The Python number that a concrete scalar array (NumPy or JAX) holds, when `kind` accepts
     its dtype; any other value as it is, for the caller's own checks.
 
     An array of another shape or dtype is refused naming `requirement`; a traced array (the
     object built inside `jit`, `grad` or `vmap` from a traced value) with a message saying
-    that hyperparameters are static Python numbers.
+    that hyperparameters are static Python numbers (or `traced`, what to say instead).
     """
     if isinstance(value, jax.core.Tracer):
-        fail(
-            owner,
-            name,
-            value,
-            "a static Python number (or a concrete NumPy or JAX scalar), not a value traced by "
-            "jit, grad or vmap: hyperparameters are fixed when the object is built, so build "
-            "it outside the traced function",
-            TypeError,
-        )
+        fail(owner, name, value, traced, TypeError)
     if not isinstance(value, jax.Array | np.ndarray):
         return value
     if value.shape != () or not kind(value.dtype):
@@ -168,9 +169,9 @@ def optional_positive_real(owner: str, name: str, value: Any) -> float | None:
     return number
 
 
-def integer(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+def integer(owner: str, name: str, value: Any, minimum: int = 1, traced: str = _STATIC) -> int:
     """An integer in [minimum, 2**31 - 1], the range of the int32 counters in a state."""
-    held = held_number(owner, name, value, f"an integer >= {minimum}", _is_integer_dtype)
+    held = held_number(owner, name, value, f"an integer >= {minimum}", _is_integer_dtype, traced)
     if isinstance(held, bool) or not isinstance(held, numbers.Integral):
         fail(owner, name, value, f"an integer >= {minimum}", TypeError)
     number = int(held)
@@ -302,141 +303,7 @@ def check_named_arrays(
             )
 
 
-# --- the contract of a LossScale: what its methods return ------------------------------
-
-
-def checked_scale(loss_scale: "LossScale", state: PyTree) -> jax.Array:
-    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
-    scale = loss_scale(state)
-    if not is_scalar_array(scale, np.float32):
-        raise TypeError(
-            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
-            f"{describe_array(scale)}"
-        )
-    return scale
-
-
-def check_holds_scale(loss_scale: "LossScale", caller: str) -> None:
-    """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
-    where `get_loss_scale` reads it."""
-    try:
-        scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
-    except AttributeError:
-        found = "none"
-    else:
-        if scale.shape == () and scale.dtype == np.float32:
-            return
-        found = f"dtype {scale.dtype} and shape {scale.shape}"
-    state_type = type(jax.eval_shape(loss_scale.init)).__name__
-    raise TypeError(
-        f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
-        "its current scale as a float32 scalar loss_scale (a field or a property), where "
-        f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
-        f"with loss_scale of {found}"
-    )
-
-
-def check_should_apply(
-    loss_scale: "LossScale", should_apply: Any, caller: str, method: str = "update"
-) -> None:
-    """Raises unless `update` (or `adjust`) returned `should_apply` as a bool scalar array."""
-    if not is_scalar_array(should_apply, np.bool_):
-        raise TypeError(
-            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
-            f"bool scalar array, got {describe(should_apply)}"
-        )
-
-
-def check_loss_scale_state(loss_scale: Any, state: Any) -> None:
-    """Raises unless `state` is a NamedTuple of arrays like those `loss_scale.init()` returns."""
-    name = type(loss_scale).__name__
-    check_named_arrays(
-        state, _initial_state_type(loss_scale), where=name, label="state", source=f"{name}.init()"
-    )
-
-
-@functools.lru_cache(maxsize=128)
-def _initial_state_type(loss_scale: Any) -> Any:
-    return jax.eval_shape(loss_scale.init)
-
-
-# --- habits from other loss scalers -------------------------------------------------------
-
-# Keyword arguments of other libraries' loss scales, and what to write here instead.
-_PEER_KEYWORDS = {
-    "DynamicLossScale": {
-        "loss_scale": ("initial_loss_scale", "jmp's loss_scale"),
-        "period": ("increment_period", "jmp's and mpx's period"),
-        "factor": ("multiplier", "jmp's and mpx's factor"),
-        "loss_scaling": ("initial_loss_scale", "mpx's loss_scaling"),
-        "min_loss_scaling": ("min_loss_scale", "mpx's min_loss_scaling"),
-        "scale": ("initial_loss_scale", "flax's scale"),
-        "growth_interval": (
-            "increment_period",
-            "flax's growth_interval + 1 reproduces flax's, PyTorch's growth_interval",
-        ),
-        "growth_factor": ("multiplier", "flax's and PyTorch's growth_factor"),
-        "minimum_scale": ("min_loss_scale", "flax's minimum_scale"),
-        "init_scale": ("initial_loss_scale", "PyTorch's init_scale"),
-        "initial_scale": ("initial_loss_scale", "Keras's initial_scale"),
-        "dynamic_growth_steps": ("increment_period", "Keras's dynamic_growth_steps"),
-    },
-    "FixedLossScale": {
-        "loss_scale": ("loss_scale_value", "jmp's StaticLossScale(loss_scale)"),
-    },
-}
-
-_COUNTER = (
-    "the count of finite steps lives in the state, not in the loss scale: resume it by "
-    "setting the state's good_steps (docs/migrating.md, 'Resuming a jmp or flax checkpoint')"
-)
-
-
-def check_no_peer_keywords(owner: str, kwargs: dict[str, Any]) -> None:
-    """Raises `TypeError` naming the argument to write for another library's keyword
-    (jmp's `period=`, `factor=`, mpx's `loss_scaling=`, ...) given to `owner`."""
-    known = _PEER_KEYWORDS.get(owner, {})
-    for name, value in kwargs.items():
-        if name in known:
-            ours, theirs = known[name]
-            raise TypeError(
-                f"{owner}({name}={describe(value)}): {owner} takes no argument {name}; write "
-                f"{ours}={describe(value)} ({theirs})"
-            )
-        if name == "counter" and known:
-            raise TypeError(
-                f"{owner}(counter={describe(value)}): {owner} takes no counter; " + _COUNTER
-            )
-
-
-# Attributes of other libraries' loss-scale objects, and where the value is here.
-_CURRENT_SCALE = (
-    "the current scale lives in the state, not in the loss scale: read it with "
-    "jls.get_loss_scale(opt_state) under loss_scaled, or loss_scale(state); the scale it "
-    "starts from is .{initial}"
-)
-_PEER_ATTRIBUTES = {
-    "loss_scale": _CURRENT_SCALE,
-    "loss_scaling": _CURRENT_SCALE,
-    "counter": "the count of finite steps lives in the state: "
-    "jls.get_loss_scale_stats(opt_state) and opt_state.loss_scale_state.good_steps",
-    "period": "write .increment_period",
-    "factor": "write .multiplier",
-    "min_loss_scaling": "write .min_loss_scale",
-    "adjust": "loss_scaled(optimizer, loss_scale).update unscales, checks and adjusts; alone, "
-    "state, should_apply = loss_scale.update(state, grads) takes the unscaled gradients",
-}
-
-
-def peer_attribute_error(owner: Any, name: str) -> AttributeError:
-    """The `AttributeError` for `owner.name`: for another library's attribute (jmp's
-    `loss_scale.loss_scale`, `.counter`, ...) it says where the value is here."""
-    message = f"{type(owner).__name__!r} object has no attribute {name!r}"
-    if name not in _PEER_ATTRIBUTES:
-        return AttributeError(message, name=name, obj=owner)  # Python's "Did you mean"
-    initial = "loss_scale_value" if hasattr(owner, "loss_scale_value") else "initial_loss_scale"
-    message += "; " + _PEER_ATTRIBUTES[name].format(initial=initial)
-    return AttributeError(message, name=None, obj=None)  # no "Did you mean" max_loss_scale
+# --- arguments ------------------------------------------------------------------------
 
 
 class _NotGiven:
@@ -447,14 +314,3 @@ class _NotGiven:
 
 
 NOT_GIVEN: Any = _NotGiven()
-
-
-def missing_tree_error(owner: str, method: str, what: str) -> TypeError:
-    """The `TypeError` for jmp's `loss_scale.scale(loss)`: the state argument is missing."""
-    return TypeError(
-        f"{owner}.{method}(state, {what}) takes the loss scale's state first, the current one: "
-        "opt_state.loss_scale_state under loss_scaled, since tx.update unscales by the current "
-        "scale (loss_scale.init() holds the initial one). jmp's loss_scale.scale(loss) is "
-        "loss * jls.get_loss_scale(opt_state), or jls.value_and_grad(loss_fn, opt_state); its "
-        "loss_scale.unscale(grads) happens inside tx.update"
-    )

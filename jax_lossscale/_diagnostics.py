@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, is_array, path_name
+from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
 from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._numerics import is_floating
 from jax_lossscale._types import PyTree
@@ -153,7 +153,13 @@ def check_not_stuck(
       jax_lossscale.LossScaleStuckError: loss_scaled is stuck: 3 steps in a row were skipped, ...
     """
     owner = "check_not_stuck"
-    max_consecutive_skips = _count(owner, "max_consecutive_skips", max_consecutive_skips)
+    max_consecutive_skips = _checks.integer(
+        owner,
+        "max_consecutive_skips",
+        max_consecutive_skips,
+        traced=f"a concrete integer, not a traced value: call {owner} on the host, outside "
+        "jit, between steps",
+    )
     if on_stuck not in ("raise", "warn"):
         _checks.fail(owner, "on_stuck", on_stuck, "'raise' or 'warn'")
     stats = get_loss_scale_stats(opt_state)
@@ -197,31 +203,3 @@ def check_not_stuck(
         raise LossScaleStuckError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     return message
-
-
-def _count(owner: str, name: str, value: Any) -> int:
-    """An integer >= 1 given as a Python int or as a concrete integer array of shape ()."""
-    if isinstance(value, jax.core.Tracer):
-        _checks.fail(
-            owner,
-            name,
-            value,
-            "a concrete integer, not a traced value: call "
-            f"{owner} on the host, outside jit, between steps",
-            TypeError,
-        )
-    if is_array(value):
-        if value.shape != () or not np.issubdtype(value.dtype, np.integer):
-            _checks.fail(
-                owner,
-                name,
-                value,
-                "an integer >= 1 (a Python int, or an integer array of "
-                f"shape ()), got an array of dtype {value.dtype} and shape {value.shape}",
-                TypeError,
-            )
-        number = int(value)
-        if not 1 <= number <= INT32_MAX:
-            _checks.fail(owner, name, value, f"an integer >= 1 and <= {INT32_MAX}")
-        return number
-    return _checks.integer(owner, name, value)

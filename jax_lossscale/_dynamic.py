@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._base import LossScale
-from jax_lossscale._checks import check_grads_finite, check_loss_scale_state
+from jax_lossscale._base import LossScale, check_loss_scale_state
+from jax_lossscale._checks import check_grads_finite
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -173,12 +173,6 @@ class DynamicLossScale(LossScale):
         check_loss_scale_state(self, state)
         check_grads_finite(grads_finite, caller="DynamicLossScale.adjust")
         # jax.jit's wrapper returns Any.
-        return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
-
-    def _adjust_checked(
-        self, state: DynamicLossScaleState, grads_finite: jax.Array
-    ) -> tuple[DynamicLossScaleState, jax.Array]:
-        # The rule alone: `loss_scaled` has checked the state, and made the flag.
         return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
 
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:

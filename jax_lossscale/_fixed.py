@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _checks
-from jax_lossscale._base import LossScale
-from jax_lossscale._checks import check_grads_finite, check_loss_scale_state
+from jax_lossscale._base import LossScale, check_loss_scale_state
+from jax_lossscale._checks import check_grads_finite
 
 
 class FixedLossScaleState(NamedTuple):
@@ -82,14 +82,6 @@ class FixedLossScale(LossScale):
         """
         check_loss_scale_state(self, state)
         check_grads_finite(grads_finite, caller="FixedLossScale.adjust")
-        # Not self._adjust_checked: a subclass's adjust calling this one makes that a call of
-        # its adjust.
-        return FixedLossScale._adjust_checked(self, state, grads_finite)
-
-    def _adjust_checked(
-        self, state: FixedLossScaleState, grads_finite: jax.Array
-    ) -> tuple[FixedLossScaleState, jax.Array]:
-        # The rule alone: `loss_scaled` has checked the state, and made the flag.
         return self.init(), jnp.array(True)
 
     def get_config(self) -> dict[str, Any]:

@@ -2,23 +2,15 @@
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
+from jax.lax import optimization_barrier
 
-from jax_lossscale._base import LossScale
+from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
 from jax_lossscale._branches import apply_or_skip, skips_by_select
-from jax_lossscale._checks import (
-    check_array_leaves,
-    check_axis_name,
-    check_holds_scale,
-    check_should_apply,
-    checked_scale,
-    describe,
-)
+from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import check_gradients, unscaled_dtype
+from jax_lossscale._numerics import check_gradients, in_unscaled_dtypes, unscaled_gradients
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -43,12 +35,13 @@ def loss_scaled(
     """Wraps an optax transformation so that it takes the gradients of a scaled loss.
 
     Each `update` receives the gradients of the loss multiplied by the current scale
-    (`get_loss_scale(opt_state)`). It divides them by that scale, checks that they are
-    finite (every device of `axis_name` agreeing) and advances the loss scale
-    (`loss_scale.update`). A step the loss scale applies goes to `inner.update`; one it
-    does not (a `DynamicLossScale`'s overflow), or a spike, is skipped: its updates are
-    negative zeros, which leave the params as they were, bit for bit, and the inner
-    state is returned as it was, so schedules inside `inner` do not advance. Put
+    (`get_loss_scale(opt_state)`). It checks, in one pass over them, that they are finite
+    once divided by that scale (every device of `axis_name` agreeing) and advances the
+    loss scale (`loss_scale.adjust`, given that flag). A step the loss scale applies goes
+    to `inner.update`, with the gradients divided by the scale; one it does not (a
+    `DynamicLossScale`'s overflow), or a spike, is skipped: its updates are negative
+    zeros, which leave the params as they were, bit for bit, and the inner state is
+    returned as it was, so schedules inside `inner` do not advance. Put
     everything that should see the true gradients, gradient clipping and
     `optax.MultiSteps` included, inside `inner`.
 
@@ -110,7 +103,7 @@ def loss_scaled(
     meta_leaves = MetaLeaves(fp8_meta)  # fp8 scales and amax histories: _fp8_meta.py
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        inner_state = inner.init(_as_gradients_come(meta_leaves.without(params)))
+        inner_state = inner.init(in_unscaled_dtypes(meta_leaves.without(params)))
         if wrapper_states(inner_state):
             raise ValueError(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
@@ -130,131 +123,31 @@ def loss_scaled(
         check_array_leaves(updates, arg_name="updates", caller="loss_scaled.update")
         check_axis_name(axis_name, caller="loss_scaled.update")
         scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
-        loss = spike_rule.loss(extra_args.get("value"))
-        # The arguments are checked once, here: from now on the loss scale's private cores
-        # take them, which are its public methods where its class defines them (LossScale).
+        loss = spike_rule.loss(extra_args.get("value"), axis_name)
         scale = checked_scale(loss_scale, state.loss_scale_state)
 
-        # Check. Where the skip is made by selects and the loss scale's `update` reads only
-        # whether the gradients are finite (`reads_only_finiteness`: it is `adjust` given
-        # that), the scaled gradients are read once, each entry times the reciprocal of the
-        # scale the state holds inside the pass: the flags and the norm are the unscaled
-        # gradients' at any scale, no unscaled copy is made (docs/design.md says why only
-        # there), and the flag goes to `adjust`. Otherwise the loss scale's `update` gets
-        # the unscaled gradients, whose sums for the norm are the check's own (XLA makes
-        # them once).
-        select = skips_by_select(state.inner_state, scaled_grads)
-        if select and loss_scale.reads_only_finiteness:
-            check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
-            loss_scale_state, scale_applies = loss_scale._adjust_checked(
-                state.loss_scale_state, check.finite
-            )
-            check_should_apply(loss_scale, scale_applies, "loss_scaled", method="adjust")
-        else:
-            grads = loss_scale._unscale_checked(state.loss_scale_state, scale, scaled_grads)
-            loss_scale_state, scale_applies = loss_scale._update_checked(
-                state.loss_scale_state, meta.with_values(grads), axis_name
-            )
-            check_should_apply(loss_scale, scale_applies, "loss_scaled")
-            check = meta.joined(check_gradients(grads, axis_name))
-        grad_norm, grads_finite = check.norm, check.finite
-        if loss is not None and axis_name is not None:
-            loss = _mean_over(loss, axis_name)
-
-        spike = spike_rule.is_spike(grad_norm, loss, state.spike_windows)
-        if spike is None:  # the loss scale alone decides (XLA folds a FixedLossScale's cond)
-            spike, apply = jnp.array(False), scale_applies
-        else:  # a non-finite step, the largest spike there is, is skipped under every loss scale
-            spike = spike & scale_applies & grads_finite
-            apply = scale_applies & grads_finite & ~spike
+        # One pass over the scaled gradients: the unscaled gradients' flags and norm.
+        check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
+        loss_scale_state, scale_applies = loss_scale.adjust(state.loss_scale_state, check.finite)
+        check_should_apply(loss_scale, scale_applies, "loss_scaled")
+        spike, apply = spike_rule.decide(check, loss, state.spike_windows, scale_applies)
         apply = meta.gated(apply)  # a non-finite new meta value is skipped under every scale
 
-        # The applied branch unscales on its own, fused into the inner update (docs/design.md).
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
+            # Unscaled again inside the update, fused into it (docs/design.md).
             with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                barrier_state, barrier_scale = jax.lax.optimization_barrier(
-                    (state.loss_scale_state, scale)
-                )
-                grads = loss_scale._unscale_checked(barrier_state, barrier_scale, scaled_grads)
-                grads = _widened(grads, scaled_grads, params)
+                grads = unscaled_gradients(scaled_grads, optimization_barrier(scale), params)
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
-        new_updates, inner_state = apply_or_skip(
-            apply, inner_update, state.inner_state, select=select
-        )
-        new_updates = meta.merged(
-            new_updates,
-            apply,
-            lambda: loss_scale(loss_scale_state) / scale,
-        )
-        stats = next_stats(
-            state.stats,
-            grad_norm=grad_norm,
-            applied=apply,
-            spike=spike,
-            had_nan=check.has_nan,
-            grads_finite=grads_finite,
-        )
-        spike_windows = spike_rule.record(state.spike_windows, grad_norm, loss, apply)
+        select = skips_by_select(state.inner_state, scaled_grads)
+        new_updates, inner_state = apply_or_skip(apply, inner_update, state.inner_state, select)
+        new_updates = meta.merged(new_updates, apply, lambda: loss_scale(loss_scale_state) / scale)
+        stats = next_stats(state.stats, check, applied=apply, spike=spike)
+        spike_windows = spike_rule.record(state.spike_windows, check.norm, loss, apply)
         return new_updates, LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
-
-
-def _mean_over(value: jax.Array, axis_name: AxisName) -> jax.Array:
-    """The mean of `value` over `axis_name`, the same on every device.
-
-    Under `shard_map`, a value (a data-parallel loss) may vary over some of the axes only
-    (over "data" of ("data", "model")); `psum` refuses such a mix, so the mean is taken over
-    the axes it varies over, and it is already the same along the others. Where nothing
-    says which axes it varies over (`pmap`, or `check_vma=False`), over all of them.
-    """
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
-    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
-    axes = tuple(name for name in names if name in varying) or axis_name
-    mean: jax.Array = jax.lax.pmean(value, axes)
-    return mean
-
-
-def _as_gradients_come(params: optax.Params) -> optax.Params:
-    """`params` with each float16 leaf as float32, the dtype its unscaled gradients take: the
-    inner state (adam's moments, MultiSteps' sums) is made in the dtype its updates give
-    it, so a step keeps the state's types (a `lax.scan` carry, a donated buffer)."""
-
-    def as_gradient_comes(param: Any) -> Any:
-        if getattr(param, "dtype", None) == jnp.float16:
-            return jnp.asarray(param, unscaled_dtype(param.dtype))
-        return param
-
-    widened: optax.Params = jax.tree.map(as_gradient_comes, params)
-    return widened
-
-
-def _widened(
-    grads: optax.Updates, scaled_grads: optax.Updates, params: optax.Params | None
-) -> optax.Updates:
-    """`grads`, each unscaled float16 leaf in its param's dtype where that is wider than
-    float32 (float64 under x64), when `params` has the gradients' structure."""
-    structures = {str(jax.tree.structure(tree)) for tree in (grads, scaled_grads, params)}
-    if params is None or len(structures) > 1:  # (a user's unscale may change the structure)
-        return grads
-
-    def widen(grad: jax.Array, scaled: jax.Array, param: Any) -> jax.Array:
-        param_dtype = getattr(param, "dtype", None)
-        if (
-            scaled.dtype == jnp.float16
-            and param_dtype is not None
-            and jnp.issubdtype(param_dtype, jnp.floating)
-            and jnp.finfo(param_dtype).bits > jnp.finfo(grad.dtype).bits
-            and jnp.promote_types(grad.dtype, param_dtype) == param_dtype
-        ):
-            return grad.astype(param_dtype)
-        return grad
-
-    widened: optax.Updates = jax.tree.map(widen, grads, scaled_grads, params)
-    return widened
 
 
 def _checked_inner(

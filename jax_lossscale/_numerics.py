@@ -308,6 +308,44 @@ def unscaled_dtype(dtype: Any) -> Any:
     return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
 
 
+def in_unscaled_dtypes(params: PyTree) -> PyTree:
+    """`params` with each float16 leaf as float32, the dtype its unscaled gradients take:
+    an inner optimizer's state made from them (adam's moments, MultiSteps' sums) keeps its
+    types through a step (a `lax.scan` carry, a donated buffer)."""
+
+    def in_unscaled_dtype(param: Any) -> Any:
+        if getattr(param, "dtype", None) == jnp.float16:
+            return jnp.asarray(param, unscaled_dtype(param.dtype))
+        return param
+
+    return jax.tree.map(in_unscaled_dtype, params)
+
+
+def unscaled_gradients(scaled_grads: PyTree, scale: jax.Array, params: PyTree) -> PyTree:
+    """`divide_floating(scaled_grads, scale)`, each float16 leaf in its param's dtype where
+    that is wider than float32 (float64 under x64), when `params` has the gradients'
+    structure: the gradients as the inner optimizer takes them."""
+    grads = divide_floating(scaled_grads, scale)
+    # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `!=` type-checks.
+    structure: jax.tree_util.PyTreeDef = jax.tree.structure(scaled_grads)
+    if params is None or jax.tree.structure(params) != structure:
+        return grads
+
+    def widened(grad: jax.Array, scaled: jax.Array, param: Any) -> jax.Array:
+        param_dtype = getattr(param, "dtype", None)
+        if (
+            scaled.dtype == jnp.float16
+            and param_dtype is not None
+            and jnp.issubdtype(param_dtype, jnp.floating)
+            and jnp.finfo(param_dtype).bits > jnp.finfo(grad.dtype).bits
+            and jnp.promote_types(grad.dtype, param_dtype) == param_dtype
+        ):
+            return grad.astype(param_dtype)
+        return grad
+
+    return jax.tree.map(widened, grads, scaled_grads, params)
+
+
 def _same_dtype(dtype: Any) -> Any:
     return dtype
 

@@ -67,7 +67,7 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
       >>> jls.cast_tree(tree, jnp.float16)
       {'name': 'dense', 'step': Array(3, dtype=int32), 'w': Array([1., 1.], dtype=float16)}
     """
-    target = _floating_dtype(dtype, "cast_tree", "dtype")
+    target = floating_dtype(dtype, "cast_tree", "dtype")
 
     def cast(leaf: Any) -> Any:
         # A weakly typed float32 array (a Python scalar passed to a jitted function) becomes
@@ -133,7 +133,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            dtype = _floating_dtype(getattr(self, field), "Policy", field)
+            dtype = floating_dtype(getattr(self, field), "Policy", field)
             object.__setattr__(self, field, dtype)
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
@@ -241,7 +241,7 @@ def full_precision(fn: _F, output_dtype: Any = None) -> _F:
     if not callable(fn):
         raise TypeError(f"full_precision(fn={describe(fn)}): fn must be callable")
     if output_dtype is not None:
-        output_dtype = _floating_dtype(output_dtype, "full_precision", "output_dtype")
+        output_dtype = floating_dtype(output_dtype, "full_precision", "output_dtype")
 
     @functools.wraps(fn)
     def in_float32(*args: Any, **kwargs: Any) -> Any:
@@ -329,7 +329,7 @@ def _other_floating(name: str) -> np.dtype[Any] | None:
     return dtype if dtype.name == name and jnp.issubdtype(dtype, jnp.floating) else None
 
 
-def _floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
+def floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
     """`dtype` (a dtype or one of its names) as a floating `jnp.dtype`."""
     if isinstance(dtype, str):
         text = dtype.strip()

@@ -11,6 +11,8 @@ import numpy as np
 
 from jax_lossscale import _checks
 from jax_lossscale._checks import INT32_MAX, check_named_arrays, describe, describe_array, is_array
+from jax_lossscale._numerics import GradientCheck
+from jax_lossscale._types import AxisName
 
 
 class RecentValues(NamedTuple):
@@ -114,8 +116,9 @@ class SpikeRule:
             spikes_in_a_row=jnp.zeros([], jnp.int32),
         )
 
-    def loss(self, value: Any) -> jax.Array | None:
-        """The `value=` extra argument as a float32 scalar, when the rule reads it."""
+    def loss(self, value: Any, axis_name: AxisName | None) -> jax.Array | None:
+        """The `value=` extra argument as a float32 scalar, when the rule reads it: its mean
+        over the devices of `axis_name`, so that they all test the same loss."""
         if value is None or not self.keeps_windows:
             return None
         if is_array(value):
@@ -130,7 +133,27 @@ class SpikeRule:
                 "loss_scaled.update: value must be the step's loss, a real scalar (a Python "
                 f"number or an array of shape ()), got {describe(value)}"
             )
-        return jnp.asarray(value).astype(jnp.float32)
+        loss = jnp.asarray(value).astype(jnp.float32)
+        return loss if axis_name is None else _mean_over(loss, axis_name)
+
+    def decide(
+        self,
+        check: GradientCheck,
+        loss: jax.Array | None,
+        windows: SpikeWindows | None,
+        scale_applies: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(spike, apply)`: whether the step is a spike, and whether it is applied.
+
+        Without options the loss scale alone decides (XLA folds a FixedLossScale's constant).
+        With one, a non-finite step, the largest spike there is, is skipped under every
+        loss scale.
+        """
+        spike = self.is_spike(check.norm, loss, windows)
+        if spike is None:
+            return jnp.array(False), scale_applies
+        spike = spike & scale_applies & check.finite
+        return spike, scale_applies & check.finite & ~spike
 
     def is_spike(
         self, grad_norm: jax.Array, loss: jax.Array | None, windows: SpikeWindows | None
@@ -248,3 +271,19 @@ def _recorded(window: RecentValues, value: jax.Array, applied: jax.Array) -> Rec
         filled=jnp.where(applied, jnp.minimum(window.filled + 1, size), window.filled),
         next_index=jnp.where(applied, (window.next_index + 1) % size, window.next_index),
     )
+
+
+def _mean_over(value: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The mean of `value` over `axis_name`, the same on every device.
+
+    Under `shard_map`, a value (a data-parallel loss) may vary over some of the axes only
+    (over "data" of ("data", "model")); `psum` refuses such a mix, so the mean is taken over
+    the axes it varies over, and it is already the same along the others. Where nothing
+    says which axes it varies over (`pmap`, or `check_vma=False`), over all of them.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
+    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
+    axes = tuple(name for name in names if name in varying) or axis_name
+    mean: jax.Array = jax.lax.pmean(value, axes)
+    return mean

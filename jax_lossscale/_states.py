@@ -1,14 +1,16 @@
 """The state of `loss_scaled`, the stats it counts, and the checks of a state given back."""
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jax_lossscale._checks import INT32_MAX, check_named_arrays
+from jax_lossscale._numerics import GradientCheck
 from jax_lossscale._spikes import SpikeRule, SpikeWindows
 from jax_lossscale._types import PyTree
 
@@ -129,23 +131,18 @@ def initial_stats() -> StepStats:
 
 
 def next_stats(
-    old: StepStats,
-    *,
-    grad_norm: jax.Array,
-    applied: jax.Array,
-    spike: jax.Array,
-    had_nan: jax.Array,
-    grads_finite: jax.Array,
+    old: StepStats, check: GradientCheck, *, applied: jax.Array, spike: jax.Array
 ) -> StepStats:
-    """The stats after a step: a skip is a NaN skip, else an inf skip, else a spike skip
-    (or none of these, when a custom LossScale skipped finite gradients)."""
+    """The stats after a step that `check` tells of: a skip is a NaN skip, else an inf
+    skip, else a spike skip (or none of these, when a custom LossScale skipped finite
+    gradients)."""
     skipped = jnp.logical_not(applied)
     return StepStats(
-        grad_norm=grad_norm,
+        grad_norm=check.norm,
         skipped_steps=_saturating_increment(old.skipped_steps, skipped),
-        nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & had_nan),
+        nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & check.has_nan),
         inf_skipped_steps=_saturating_increment(
-            old.inf_skipped_steps, skipped & ~had_nan & ~grads_finite
+            old.inf_skipped_steps, skipped & ~check.has_nan & ~check.finite
         ),
         spike_skipped_steps=_saturating_increment(old.spike_skipped_steps, spike),
         consecutive_skipped_steps=jnp.where(
@@ -157,23 +154,6 @@ def next_stats(
 
 def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:
     return count + (increment & (count < INT32_MAX)).astype(jnp.int32)
-
-
-def _scalar_type(dtype: Any) -> jax.Array:
-    """A scalar `jax.ShapeDtypeStruct`, typed as the array it stands for in a template."""
-    return cast(jax.Array, jax.ShapeDtypeStruct((), dtype))
-
-
-_COUNT = _scalar_type(jnp.int32)
-_STATS_TEMPLATE = StepStats(
-    grad_norm=_scalar_type(jnp.float32),
-    skipped_steps=_COUNT,
-    nan_skipped_steps=_COUNT,
-    inf_skipped_steps=_COUNT,
-    spike_skipped_steps=_COUNT,
-    consecutive_skipped_steps=_COUNT,
-    last_step_applied=_scalar_type(jnp.bool_),
-)
 
 
 def check_state(state: Any, spike_rule: SpikeRule) -> None:
@@ -189,9 +169,15 @@ def check_state(state: Any, spike_rule: SpikeRule) -> None:
             f"got {type(state).__name__}"
         )
     check_named_arrays(
-        state.stats, _STATS_TEMPLATE, where=where, label="state.stats", source="init()"
+        state.stats, _stats_template(), where=where, label="state.stats", source="init()"
     )
     spike_rule.check_windows(state.spike_windows, where)
+
+
+@functools.cache
+def _stats_template() -> StepStats:
+    template: StepStats = jax.eval_shape(initial_stats)
+    return template
 
 
 @contextlib.contextmanager

@@ -54,9 +54,9 @@ class _NonScalarScale(jls.FixedLossScale):
 
 @dataclasses.dataclass(frozen=True)
 class _PythonShouldApply(jls.FixedLossScale):
-    """A user loss scale whose `update` returns a Python bool as `should_apply`."""
+    """A user loss scale whose `adjust` returns a Python bool as `should_apply`."""
 
-    def update(self, state, grads, axis_name=None):
+    def adjust(self, state, grads_finite):
         return state, True
 
 
@@ -745,7 +745,7 @@ add(
     arg="should_apply",
     value="True",
     message=(
-        "loss_scaled: _PythonShouldApply.update must return should_apply as a bool scalar "
+        "loss_scaled: _PythonShouldApply.adjust must return should_apply as a bool scalar "
         "array, got True"
     ),
     traced=True,

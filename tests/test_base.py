@@ -1,6 +1,6 @@
-"""The `LossScale` protocol (`jax_lossscale/_base.py`): `adjust` is the rule, `update` the
-finite test then `adjust`, and `loss_scaled` calls a loss scale through these public methods
-alone, choosing by `reads_only_finiteness`."""
+"""The `LossScale` protocol (`jax_lossscale/_base.py`): `adjust` is the one rule a subclass
+writes, `update` the finite test then `adjust`; `update`, `scale` and `unscale` are final, and
+`loss_scaled` makes its own check of the scaled gradients and calls `adjust`."""
 
 import dataclasses
 import re
@@ -42,18 +42,6 @@ def _run(loss_scale, steps=STEPS, inner=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoggingDynamicLossScale(jls.DynamicLossScale):
-    """A user's subclass that overrides `update` only to log."""
-
-    def update(self, state, grads, axis_name=None):
-        LOG.append("update")
-        return super().update(state, grads, axis_name)
-
-
-LOG: list[str] = []
-
-
-@dataclasses.dataclass(frozen=True)
 class FloorAtFourLossScale(jls.DynamicLossScale):
     """A user's subclass with a rule of its own: never backs off below 4."""
 
@@ -86,34 +74,52 @@ class HalvingLossScale(jls.LossScale):
         return {"initial": self.initial}
 
 
-def test_which_method_loss_scaled_calls_is_a_public_class_attribute():
-    assert jls.LossScale.reads_only_finiteness is True
-    assert jls.DynamicLossScale.reads_only_finiteness is True
-    assert jls.FixedLossScale.reads_only_finiteness is True
-    assert FloorAtFourLossScale.reads_only_finiteness is True
-    assert HalvingLossScale.reads_only_finiteness is True
-    assert LoggingDynamicLossScale.reads_only_finiteness is False
+@pytest.mark.parametrize("method", ["update", "scale", "unscale"])
+def test_a_subclass_defining_a_final_method_is_refused_naming_adjust(method):
+    """`update`, `scale` and `unscale` are final: defining one (as a subclass that logged in
+    `update` did) is a TypeError when the class is created, whose message names `adjust`."""
+
+    def defined(self, state, tree, axis_name=None):
+        return getattr(super(type(self), self), method)(state, tree)
+
+    with pytest.raises(TypeError) as excinfo:
+        type("Logging", (jls.DynamicLossScale,), {method: defined})
+    assert str(excinfo.value) == (
+        f"Logging defines {method}, which LossScale keeps final: a loss scale writes its rule "
+        "as adjust(state, grads_finite), which update calls after the finite test and "
+        "loss_scaled calls after its own"
+    )
 
 
 @pytest.mark.parametrize(
-    "inner", [optax.sgd(0.5, momentum=0.9), optax.adam(0.1)], ids=["selects", "cond"]
+    "inner", [optax.sgd(0.5, momentum=0.9), optax.adam(0.1)], ids=["sgd", "adam"]
 )
-def test_a_subclass_overriding_update_to_log_gets_the_parents_numbers(inner):
-    """Its `update` is called (on each trace under `jit`), with the unscaled gradients, and
-    the updates, scales and norms are the parent's bit for bit, on the path where the parent
-    is given the finite flag through `adjust` (selects) as on the one where it is not."""
-    LOG.clear()
+def test_a_subclass_defining_adjust_trains_with_its_parents_bits_on_both_optimizers(inner):
+    """A protocol-only subclass whose `adjust` adds to the parent's (a log here) gets the
+    parent's updates, scales and norms bit for bit, under sgd (skipped by selects) and adam
+    (skipped by a `cond`) alike; its `adjust` is what `loss_scaled` calls."""
+
+    @dataclasses.dataclass(frozen=True)
+    class LoggingAdjust(jls.DynamicLossScale):
+        def adjust(self, state, grads_finite):
+            ADJUSTED.append(type(grads_finite).__name__)
+            return super().adjust(state, grads_finite)
+
+    ADJUSTED.clear()
     ls = dict(initial_loss_scale=8.0, increment_period=1)
     parent = _run(jls.DynamicLossScale(**ls), inner=inner)
-    logging = _run(LoggingDynamicLossScale(**ls), inner=inner)
-    assert LOG
-    assert set(LOG) == {"update"}
+    logging = _run(LoggingAdjust(**ls), inner=inner)
+    assert ADJUSTED  # called on the trace of the jitted update
     assert_bits_equal(logging[0], parent[0])
     assert logging[1] == parent[1] == [16.0, 8.0, 4.0, 8.0]
     assert_bits_equal(np.array(logging[2], np.float32), np.array(parent[2], np.float32))
     assert parent[2][0] == float(np.float32(np.sqrt(1.0 + 4.0 + 0.25 + 0.0625)))
     assert parent[2][1] == np.inf
     assert np.isnan(parent[2][2])
+    assert_bits_equal(parent[0][1], {"w": jnp.full(3, -0.0), "b": jnp.array(-0.0)})
+
+
+ADJUSTED: list[str] = []
 
 
 def test_a_subclass_overriding_adjust_gets_its_rule_and_the_one_pass_check():
@@ -125,12 +131,14 @@ def test_a_subclass_overriding_adjust_gets_its_rule_and_the_one_pass_check():
     assert _run(FloorAtFourLossScale(**ls), overflows)[1] == [4.0, 4.0, 4.0]
     assert _run(jls.DynamicLossScale(**ls), overflows)[1] == [4.0, 2.0, 1.0]
 
-    def reductions(loss_scale):
-        tx = jls.loss_scaled(optax.sgd(0.5, momentum=0.9), loss_scale)
+    def reductions(loss_scale, inner):
+        tx = jls.loss_scaled(inner, loss_scale)
         lowered = jax.jit(tx.update).lower(PARAMS, tx.init(PARAMS), PARAMS)
         return compiled_reductions(lowered.compile().as_text())
 
-    assert reductions(FloorAtFourLossScale(**ls)) == reductions(jls.DynamicLossScale(**ls))
+    for inner in (optax.sgd(0.5, momentum=0.9), optax.adam(0.1)):
+        floor = reductions(FloorAtFourLossScale(**ls), inner)
+        assert floor == reductions(jls.DynamicLossScale(**ls), inner)
 
 
 def test_a_loss_scale_written_against_the_protocol_alone_works_with_loss_scaled():
@@ -156,31 +164,6 @@ def test_update_is_adjust_given_the_finite_flag():
         by_adjust, apply_a = ls.adjust(by_adjust, jls.all_finite(grads))
         assert_bits_equal((by_update, apply_u), (by_adjust, apply_a))
     assert float(ls(by_update)) == 4.0  # T F F(backoff) T T(growth) F F(backoff) T
-
-
-def test_a_loss_scale_defining_update_alone_is_concrete_and_has_no_adjust():
-    @dataclasses.dataclass(frozen=True)
-    class OnlyUpdate(jls.LossScale):
-        def init(self):
-            return HalvingState(jnp.float32(2.0))
-
-        def __call__(self, state):
-            return state.loss_scale
-
-        def update(self, state, grads, axis_name=None):
-            return state, jls.all_finite(grads, axis_name)
-
-        def get_config(self):
-            return {}
-
-    ls = OnlyUpdate()
-    assert OnlyUpdate.reads_only_finiteness is False
-    message = "OnlyUpdate defines update, not adjust: its rule reads the unscaled gradients"
-    with pytest.raises(NotImplementedError, match=re.escape(message)):
-        ls.adjust(ls.init(), jnp.array(True))
-    updates, scales, _ = _run(ls)
-    assert scales == [2.0] * 4
-    assert_bits_equal(updates[1], {"w": jnp.full(3, -0.0), "b": jnp.array(-0.0)})
 
 
 def test_a_loss_scale_defining_neither_adjust_nor_update_cannot_be_made():

@@ -882,7 +882,7 @@ class _BadScaleLossScale(jls.LossScale):
     def __call__(self, state):
         return self.value
 
-    def update(self, state, grads, axis_name=None):
+    def adjust(self, state, grads_finite):
         return state, jnp.array(True)
 
     def get_config(self):

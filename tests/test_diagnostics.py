@@ -374,12 +374,11 @@ def test_check_not_stuck_refuses_a_float_a_vector_or_a_traced_count_naming_it():
         jls.check_not_stuck(opt_state, jnp.float32(5.0))
     assert str(excinfo.value) == (
         "check_not_stuck(max_consecutive_skips=Array(5., dtype=float32)): max_consecutive_skips "
-        "must be an integer >= 1 (a Python int, or an integer array of shape ()), got an array "
-        "of dtype float32 and shape ()"
+        "must be an integer >= 1, got ArrayImpl of dtype float32 and shape ()"
     )
-    with pytest.raises(TypeError, match=r"got an array of dtype int32 and shape \(1,\)$"):
+    with pytest.raises(TypeError, match=r"got ArrayImpl of dtype int32 and shape \(1,\)$"):
         jls.check_not_stuck(opt_state, jnp.array([5]))
-    with pytest.raises(TypeError, match=r"got an array of dtype bool and shape \(\)$"):
+    with pytest.raises(TypeError, match=r"must be an integer >= 1$"):
         jls.check_not_stuck(opt_state, np.bool_(True))
     with pytest.raises(ValueError, match="must be an integer >= 1") as excinfo:
         jls.check_not_stuck(opt_state, jnp.int32(0))

@@ -718,8 +718,8 @@ class _UserLossScale(jls.LossScale):
     def __call__(self, state):
         return state.loss_scale
 
-    def update(self, state, grads, axis_name=None):
-        return state, jls.all_finite(grads, axis_name)
+    def adjust(self, state, grads_finite):
+        return state, grads_finite
 
     def get_config(self):
         return {"value": self.value}

@@ -242,25 +242,6 @@ def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eag
         np.testing.assert_allclose(norm, optax.tree.norm(unscaled), rtol=2e-7)
 
 
-def test_an_overridden_update_decides_in_a_subclass(jit_or_eager):
-    """A subclass that overrides `update` is called with the unscaled gradients, as any
-    `LossScale` is: here it applies a step only when the first gradient is above 2, which
-    the scaled gradient (4) is and the unscaled one (1) is not."""
-
-    @dataclasses.dataclass(frozen=True)
-    class Picky(jls.DynamicLossScale):
-        def update(self, state, grads, axis_name=None):
-            return state, grads["w"][0] > 2.0
-
-    tx = jls.loss_scaled(optax.sgd(1.0), Picky(4.0))
-    params = {"w": jnp.array([1.0, 2.0])}
-    updates, opt_state = jit_or_eager(
-        tx.update, {"w": jnp.array([4.0, 8.0])}, tx.init(params), params
-    )
-    assert_bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
-    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 1
-
-
 # --- 2. skipped steps -----------------------------------------------------------------------
 
 
@@ -809,8 +790,8 @@ class HalvingLossScale(jls.LossScale):
     def __call__(self, state: HalvingState) -> jax.Array:
         return state.loss_scale
 
-    def update(self, state, grads, axis_name=None):
-        finite = jls.all_finite(grads, axis_name)
+    def adjust(self, state, grads_finite):
+        finite = grads_finite
         new_state = HalvingState(
             jnp.where(finite, state.loss_scale, state.loss_scale / 2),
             state.overflows + jnp.logical_not(finite).astype(jnp.int32),
@@ -833,8 +814,8 @@ class BadShouldApplyLossScale(HalvingLossScale):
 
     returns: str = "python-bool"
 
-    def update(self, state, grads, axis_name=None):
-        state, finite = super().update(state, grads, axis_name)
+    def adjust(self, state, grads_finite):
+        state, finite = super().adjust(state, grads_finite)
         should_apply = {
             "python-bool": True,
             "float32-scalar": finite.astype(jnp.float32),
@@ -884,7 +865,7 @@ def test_should_apply_must_be_a_bool_scalar_array(
     opt_state = tx.init(params)
     received = jit_repr if is_jit(request) else eager_repr
     message = (
-        "loss_scaled: BadShouldApplyLossScale.update must return should_apply as a bool scalar "
+        "loss_scaled: BadShouldApplyLossScale.adjust must return should_apply as a bool scalar "
         f"array, got {received}"
     )
     # The first update raises, with finite gradients.

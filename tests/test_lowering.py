@@ -70,22 +70,21 @@ CUSTOM_CALL_TARGETS: set[str] = set()
 # float32 scalars it reduces, distinct operands among them); all of them run on every step,
 # in one combined all-reduce in the entry computation. Each of the 3 sharded gradient leaves
 # gives one partial sum per reduction. Where leaves may be sharded, the inf flag has a sum of
-# its own beside the check's (3 more operands). Under adam (a cond) DynamicLossScale's finite
-# check and the global norm share their local reductions of the unscaled gradients, yet the
-# partitioner all-reduces those six partial sums twice (12 operands, 6 distinct). Under sgd
-# (selects) the check reads the scaled gradients and its sums are all-reduced once (6). A
-# FixedLossScale needs the norm alone (3). The replicated leaf "g" and the replicated spike
-# windows need none.
-_ONCE, _TWICE = [("entry", 6, 6)], [("entry", 12, 6)]
+# its own beside the check's (3 more operands). The check reads the scaled gradients under
+# every optimizer, and its sums are all-reduced once (6 operands; under adam, where a loss
+# scale's `update` once read the unscaled gradients, the partitioner all-reduced them twice,
+# 12). A FixedLossScale needs the norm alone (3). The replicated leaf "g" and the replicated
+# spike windows need none.
+_ONCE = [("entry", 6, 6)]
 ALL_REDUCES = {
     optimizer: {
         "bare": [],
-        "DynamicLossScale": twice_or_once,
+        "DynamicLossScale": _ONCE,
         "FixedLossScale": [("entry", 3, 3)],
-        "skip_grad_norm_above": twice_or_once,
-        "skip_spike_sigmas": twice_or_once,
+        "skip_grad_norm_above": _ONCE,
+        "skip_spike_sigmas": _ONCE,
     }
-    for optimizer, twice_or_once in [("adam", _TWICE), ("sgd", _ONCE)]
+    for optimizer in ("adam", "sgd")
 }
 
 
@@ -396,20 +395,18 @@ MIN_BELOW_ONE = {
 
 # Reductions of the compiled step where no leaf is sharded (inside `pmap`, or on one device
 # of the 8): one per part, a part being a leaf or a group of small leaves of one dtype. The
-# synthetic params are all small (float32 w, b, g and float16 h): two groups under sgd, where
-# the check reads the scaled gradients, one under adam, where it reads the unscaled ones (h
-# unscaled is float32). Each gives the sum for the finite check and the norm, and the NaN
-# flag; there is no other reduction.
-UNSHARDED_REDUCTIONS = {"adam": ["(f32[], pred[])"], "sgd": ["(f32[], pred[])"] * 2}
+# synthetic params are all small (float32 w, b, g and float16 h): two groups, since the check
+# reads the scaled gradients, float16 h among them, under every optimizer. Each gives the sum
+# for the finite check and the norm, and the NaN flag; there is no other reduction.
+UNSHARDED_REDUCTIONS = dict.fromkeys(("adam", "sgd"), ["(f32[], pred[])"] * 2)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("loss_scale", MIN_BELOW_ONE.values(), ids=MIN_BELOW_ONE.keys())
 def test_one_reduction_per_part_checks_and_measures_under_pmap(loss_scale, optimizer):
     """Compiled under `pmap` (CPU): one reduction per part, giving both the sum for the
-    finite check and the norm and the NaN flag, and no other reduction; also where a scale
-    that can go below 1 makes the loss scale check the unscaled gradients in its own
-    `update`, which XLA computes together with the norm's."""
+    finite check and the norm and the NaN flag, and no other reduction, a scale that can go
+    below 1 included."""
     tx = jls.loss_scaled(OPTIMIZERS[optimizer](), loss_scale, axis_name="i")
     params = jax.tree.map(lambda leaf: jnp.stack([leaf] * 2), _params())
     state = jax.pmap(tx.init, axis_name="i", devices=jax.devices()[:2])(params)

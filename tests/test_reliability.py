@@ -461,8 +461,8 @@ class SkipFirstSteps(jls.LossScale):
     def __call__(self, state: CountingState) -> jax.Array:
         return state.loss_scale
 
-    def update(self, state, grads, axis_name=None):
-        should_apply = jls.all_finite(grads, axis_name) & (state.steps >= self.n)
+    def adjust(self, state, grads_finite):
+        should_apply = grads_finite & (state.steps >= self.n)
         return state._replace(steps=state.steps + 1), should_apply
 
     def get_config(self) -> dict:

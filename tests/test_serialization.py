@@ -312,11 +312,11 @@ class SerializationTestScheduledLossScale(jls.LossScale):
     def __call__(self, state):
         return state.loss_scale
 
-    def update(self, state, grads, axis_name=None):
+    def adjust(self, state, grads_finite):
         step = state.step + 1
         due = step % self.period == 0
         scale = jnp.where(due, state.loss_scale * np.float32(self.factor), state.loss_scale)
-        return _ScheduledState(scale, step), jls.all_finite(grads, axis_name)
+        return _ScheduledState(scale, step), grads_finite
 
     def get_config(self):
         return dataclasses.asdict(self)

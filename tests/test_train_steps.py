@@ -53,8 +53,8 @@ class PowerOfTwoLossScale(jls.LossScale):
     def __call__(self, state):
         return state.loss_scale
 
-    def update(self, state, grads, axis_name=None):
-        finite = jls.all_finite(grads, axis_name)
+    def adjust(self, state, grads_finite):
+        finite = grads_finite
         return PowerOfTwoState(jnp.where(finite, state.exponent, state.exponent - 1)), finite
 
     def get_config(self):
