@@ -78,3 +78,48 @@ def test_version_without_a_pyproject_or_metadata_is_a_placeholder(tmp_path, monk
 
     monkeypatch.setattr(module.metadata, "version", not_installed)
     assert module.version() == "0+unknown"
+
+
+def _imports_of_modules() -> dict[str, set[tuple[str, str]]]:
+    """Per module of the package, the (module, name) pairs it imports from the package, type-only
+    imports (under `if TYPE_CHECKING:`) included: every import statement in its source."""
+    import ast
+
+    imports: dict[str, set[tuple[str, str]]] = {}
+    for path in sorted((ROOT / "jax_lossscale").glob("*.py")):
+        found: set[tuple[str, str]] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_lossscale"):
+                for alias in node.names:
+                    if node.module == "jax_lossscale":  # `from jax_lossscale import _checks`
+                        found.add((alias.name, ""))
+                    else:
+                        found.add((node.module.removeprefix("jax_lossscale."), alias.name))
+        imports[path.stem] = found
+    return imports
+
+
+def test_the_package_s_modules_import_no_cycle_and_no_private_name_of_another():
+    imports = _imports_of_modules()
+    assert imports["_base"] >= {("_checks", "check_named_arrays"), ("_numerics", "finite_flag")}
+    private = sorted(
+        (module, source, name)
+        for module, found in imports.items()
+        for source, name in found
+        if name.startswith("_") and source != "_version"
+    )
+    assert private == []
+    graph = {module: {source for source, _ in found} for module, found in imports.items()}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for source in sorted(graph.get(module, ())):
+            if source in path:
+                cycles.append([*path[path.index(source) :], source])
+            else:
+                visit(source, [*path, source])
+
+    for module in graph:
+        if module != "__init__":
+            visit(module, [module])
+    assert cycles == []
