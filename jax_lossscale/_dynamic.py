@@ -37,7 +37,7 @@ class DynamicLossScale(LossScale):
     With default arguments this is TensorFlow 2.0's `DynamicLossScale`, step for
     step. Each call of `update` (or of `adjust`, given the finite flag) applies this
     rule (`scale`, `good_steps` and `overflows_until_backoff` are the fields of the
-    state)::
+    state):
 
         # a state made under other hyperparameters is brought within these first
         scale = clip(scale, min_loss_scale, max_loss_scale)

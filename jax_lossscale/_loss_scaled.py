@@ -61,8 +61,9 @@ def loss_scaled(
         `optax.adam(1e-3)`, or an `optax.MultiSteps` for gradient accumulation.
       loss_scale: a `LossScale`, e.g. `DynamicLossScale()`. A state made under other
         hyperparameters (a resumed checkpoint) obeys these from the next update on.
-      axis_name: inside `pmap` or `shard_map` with per-device gradients, the axis over
-        which devices agree on skipping. Not needed under SPMD `jit`.
+      axis_name: inside `pmap` or `shard_map`, the axis over which devices agree on
+        skipping: pass it there always (after a `pmean` it costs one scalar all-reduce).
+        Not needed under SPMD `jit`.
       skip_grad_norm_above: skip finite steps whose `grad_norm` is above this, or None.
       skip_spike_sigmas: skip finite steps this many standard deviations above the
         recent mean, or None.
@@ -74,7 +75,7 @@ def loss_scaled(
         gradients' structure. Those leaves are never unscaled nor given to `inner`,
         nor counted in `grad_norm`; their updates are `new - old` on an applied step,
         -0.0 on a skipped one, and a non-finite new value skips the step
-        (docs/integrations.md, "fp8 layers").
+        ([fp8 layers](integrations.md#fp8-layers-scales-and-amax-histories)).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.

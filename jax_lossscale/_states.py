@@ -45,7 +45,7 @@ class LossScaleStats(NamedTuple):
     `grad_norm` is the global L2 norm of the last step's unscaled gradients (0 before
     the first step; +inf when they held an infinity, NaN only when they held a NaN),
     from the pass that checks them.
-    The counters saturate at 2**31 - 1. A skipped step counts as a NaN skip when its
+    The counters saturate at `2**31 - 1`. A skipped step counts as a NaN skip when its
     gradients held a NaN, as an inf skip when they held +-inf (before or after
     unscaling) and no NaN, as a spike skip when they were finite but `grad_norm` or
     the loss was a spike (see `loss_scaled`), and as none of these when a custom
