@@ -1,9 +1,11 @@
 """The documentation site, built as CI builds it (`mkdocs build --strict`) and read as a browser
-shows it: the API reference shows every docstring example as a code block, and the notebooks'
-titles and tables of contents keep the code of their headings."""
+shows it: the API reference shows every docstring example as a code block and every Returns
+section as one row, no `**` of a power turns prose bold, and the notebooks' titles and tables of
+contents keep the code of their headings."""
 
 import doctest
 import html.parser
+import inspect
 import os
 import pathlib
 import re
@@ -36,8 +38,9 @@ def site(tmp_path_factory) -> pathlib.Path:
 
 class Page(html.parser.HTMLParser):
     """What a reader sees of a built page: its title, the text of its code blocks, its
-    blockquotes, the headings of its content, the links of its table of contents and all
-    links with their text."""
+    blockquotes, the headings of its content, the links of its table of contents, all links
+    with their text, and the rows of the API reference's docstring sections (by object and
+    section title, each row its cells' texts)."""
 
     def __init__(self, path: pathlib.Path):
         super().__init__()
@@ -47,6 +50,10 @@ class Page(html.parser.HTMLParser):
         self.headings: list[tuple[str, str]] = []  # (id, text), in the page's content
         self.toc: list[tuple[str, str]] = []  # (href, text)
         self.links: list[tuple[str, str]] = []  # (href, text)
+        self.section_rows: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        self._object = ""  # the id of the last heading: "jax_lossscale.LossScale.update"
+        self._section = ""  # the title of the last docstring section: "Returns:"
+        self._cells: list[str] = []
         self._open: list[tuple[str, dict[str, str]]] = []
         self._texts: list[list[str]] = []
         self.feed(path.read_text())
@@ -60,6 +67,8 @@ class Page(html.parser.HTMLParser):
         if tag in {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta"}:
             return  # void elements: no end tag, no text
         attributes = {key: value or "" for key, value in attrs}
+        if re.fullmatch(r"h[1-6]", tag) and attributes.get("id"):
+            self._object = attributes["id"]
         self._open.append((tag, attributes))
         self._texts.append([])
         self.blockquotes += tag == "blockquote"
@@ -88,6 +97,14 @@ class Page(html.parser.HTMLParser):
                 self.toc.append((attributes.get("href", ""), text))
         elif re.fullmatch(r"h[1-6]", tag) and self._inside("article"):
             self.headings.append((attributes.get("id", ""), text))
+        elif tag == "span" and "doc-section-title" in attributes.get("class", "").split():
+            self._section = text
+        elif tag == "td":
+            self._cells.append(text)
+        elif tag == "tr" and "doc-section-item" in attributes.get("class", "").split():
+            key = (self._object, self._section)
+            self.section_rows.setdefault(key, []).append(tuple(self._cells))
+            self._cells = []
 
     def handle_data(self, data):
         if self._texts:
@@ -98,6 +115,18 @@ def test_the_site_builds_strictly_with_a_page_for_every_doc_and_notebook(site):
     built = {path.parent.relative_to(site).as_posix() for path in site.glob("**/index.html")}
     docs = {path.stem for path in (ROOT / "docs").glob("*.md") if path.stem != "index"}
     assert built == {".", *docs, *(f"notebooks/{notebook}" for notebook in NOTEBOOKS)}
+
+
+def test_the_sitemap_lists_every_page_under_the_site_url(site):
+    """Without `site_url` the sitemap lists no page, and 404.html links from the server's root."""
+    url = re.search(r"^site_url: (\S+)", (ROOT / "mkdocs.yml").read_text(), re.M)[1]
+    pages = {path.parent.relative_to(site).as_posix() for path in site.glob("**/index.html")}
+    expected = {url + ("" if page == "." else page + "/") for page in pages}
+    assert set(re.findall(r"<loc>(.*?)</loc>", (site / "sitemap.xml").read_text())) == expected
+    path = re.sub(r"^https?://[^/]+", "", url)
+    assets = re.findall(r'href="([^"]*assets/[^"]*)"', (site / "404.html").read_text())
+    assert assets
+    assert all(href.startswith(path + "assets/") for href in assets)
 
 
 def docstring_examples() -> dict[str, list[str]]:
@@ -123,6 +152,80 @@ def test_the_api_reference_shows_every_example_as_a_code_block_not_as_quotes(sit
     missing = {name: [t for t in texts if t not in code] for name, texts in examples.items()}
     assert {name: texts for name, texts in missing.items() if texts} == {}
     assert page.blockquotes == 0
+
+
+def returns_sections() -> dict[str, str]:
+    """The `Returns:` section of each public function's and method's docstring, by the id of
+    its heading in the API reference, as its text reads with the backticks of code dropped."""
+    sections = {}
+    for name in jax_lossscale.__all__:
+        value = getattr(jax_lossscale, name)
+        members = vars(value).items() if isinstance(value, type) else [("", value)]
+        for member, function in members:
+            lines = (inspect.getdoc(function) or "").splitlines() if callable(function) else []
+            if "Returns:" in lines:
+                section = lines[lines.index("Returns:") + 1 :]
+                text = " ".join(section[: [*section, ""].index("")])
+                sections[".".join(["jax_lossscale", name, member]).rstrip(".")] = " ".join(
+                    text.replace("`", "").split()
+                )
+    return sections
+
+
+def test_every_returns_section_renders_as_one_row_with_the_whole_text(site):
+    """Griffe's Google parser starts a new return value at each line of a multi-line section
+    unless told there is one (`returns_multiple_items: false`)."""
+    page = Page(site / "api" / "index.html")
+    expected = returns_sections()
+    assert {
+        "jax_lossscale.LossScale.adjust",
+        "jax_lossscale.LossScale.update",
+        "jax_lossscale.LossScale.scale",
+        "jax_lossscale.LossScale.unscale",
+        "jax_lossscale.stochastic_rounding",
+        "jax_lossscale.kahan_summation",
+        "jax_lossscale.count_non_finite",
+    } <= set(expected)
+    rendered = {
+        obj: [cells[-1] for cells in rows]
+        for (obj, section), rows in page.section_rows.items()
+        if section == "Returns:"
+    }
+    assert rendered == {obj: [text] for obj, text in expected.items()}
+
+
+def emphasis_inside_numbers(page: pathlib.Path) -> list[str]:
+    """Bold or italics opened or closed between two characters of a number: `2**15, not 2**16`
+    read as Markdown is `2<strong>15, not 2</strong>16`."""
+    text = page.read_text()
+    return re.findall(r".{0,20}(?:\d<(?:strong|em)>|</(?:strong|em)>\d).{0,20}", text)
+
+
+def test_no_power_turns_prose_bold_on_any_page(site):
+    found = {
+        path.relative_to(site).as_posix(): spans
+        for path in sorted(site.glob("**/*.html"))
+        if (spans := emphasis_inside_numbers(path))
+    }
+    assert found == {}
+
+
+def prose(markdown: str) -> str:
+    """A Markdown page without its fenced code blocks, HTML comments and code spans."""
+    markdown = re.sub(r"^( *)(```|~~~).*?^\1\2", "", markdown, flags=re.S | re.M)
+    markdown = re.sub(r"<!--.*?-->", "", markdown, flags=re.S)
+    return re.sub(r"(`+).+?\1", "", markdown, flags=re.S)
+
+
+def test_powers_in_the_prose_of_the_readme_and_the_docs_are_written_as_code():
+    assert prose("2**15 and `2**16`\n```python\nx = 2**17\n```\n") == "2**15 and \n\n"
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = {
+        page.name: powers
+        for page in pages
+        if (powers := re.findall(r".{0,20}\w\*\*[-\w(].{0,20}", prose(page.read_text())))
+    }
+    assert found == {}
 
 
 def test_the_distributed_notebook_keeps_the_code_of_its_headings(site):
