@@ -253,3 +253,16 @@ def test_a_notebook_title_nav_entry_and_toc_read_as_its_headings(site, notebook)
     nav = {text for href, text in Page(site / "index.html").links if href.endswith(f"/{notebook}/")}
     assert nav == {title}
     assert list(dict.fromkeys(page.toc)) == [(f"#{id_}", text) for id_, text in sections]
+
+
+def test_no_page_shows_a_literal_double_colon_or_a_file_path_as_a_cross_reference(site):
+    """A docstring's `::` (reStructuredText's code marker) and a reference written as a path
+    (`docs/integrations.md, "fp8 layers"`) reach the reader as text; they are written as a
+    code block and a link."""
+    found = {}
+    for path in sorted(site.glob("**/*.html")):
+        text = re.sub(r"<(pre|code)\b.*?</\1>", "", path.read_text(), flags=re.S)
+        spans = re.findall(r".{0,30}(?:::</p>|\bdocs/[\w-]+\.md\b).{0,10}", text)
+        if spans:
+            found[path.relative_to(site).as_posix()] = spans
+    assert found == {}
