@@ -140,7 +140,9 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
             dtype = _rounded_dtype(param, path, "stochastic_rounding", at_init=True)
             return None if dtype is None else jnp.zeros((), dtype)
 
-        return StochasticRoundingState(key_data, jax.tree_util.tree_map_with_path(marker, params))
+        # A copy: a donated state must not take the key this transformation starts from.
+        key = jnp.array(key_data, copy=True)
+        return StochasticRoundingState(key, jax.tree_util.tree_map_with_path(marker, params))
 
     def update_fn(
         updates: optax.Updates,
@@ -202,8 +204,8 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     A buffer of bfloat16 (or float16) keeps only updates above about half its own spacing:
     smaller ones are lost, as nearest rounding loses them without a buffer, once the
     buffer has grown toward half the weight's gap. For bfloat16 that is an update below
-    about 2**-18 of the weight (3.8e-6 at a weight of 1, 7.6e-8 at 0.02), which the tail of
-    a decaying schedule reaches.
+    about 2**-18 of the power of two above the weight (3.8e-6 for weights in [0.5, 1],
+    1.2e-7 at 0.02), which the tail of a decaying schedule reaches.
 
     Args:
       compensation_dtype: None (the default) for the buffers above; a floating dtype for

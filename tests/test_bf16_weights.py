@@ -678,6 +678,16 @@ def test_a_key_that_is_not_one_prng_key_is_an_error_naming_key(key, error, messa
     assert len(str(raised.value)) < 300  # the shape and dtype, not the array
 
 
+def test_init_after_a_donated_step_still_has_its_key():
+    params = jnp.ones(4, BF16)
+    tx = jls.stochastic_rounding(jax.random.key(0))
+    step = jax.jit(lambda u, s, p: tx.update(u, s, p)[1], donate_argnums=1)
+    first = tx.init(params)
+    step(jnp.ones(4), first, params)
+    assert first.key.is_deleted()  # donated
+    assert tx.init(params).key.tolist() == jax.random.key_data(jax.random.key(0)).tolist()
+
+
 def test_a_legacy_uint32_key_is_accepted():
     tx = jls.stochastic_rounding(jax.random.PRNGKey(0))
     assert tx.init({}).key.tolist() == [0, 0]
