@@ -380,6 +380,42 @@ def test_a_float32_buffer_follows_the_float32_sum_and_a_bfloat16_one_stalls():
     assert float(stalled[3]) - float(params[3]) == 3 * 2**-8  # params: the nearest to 0.89986
 
 
+def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_the_edges():
+    """One step from a weight with low bits: the new weight and its low bits are the float32
+    sum bit for bit, the weight its nearest bfloat16 (ties away from zero), for magnitudes
+    from 2**-60 to 2**60 and either sign; non-finite sums keep no bits, and a zero weight
+    set from outside drops a negative offset (which would cut a NaN)."""
+    rng = np.random.default_rng(1)
+    start = np.sign(rng.normal(size=4096)) * 2.0 ** rng.uniform(-60, 60, 4096)
+    start = start.astype(np.float32)
+    updates = (start * rng.uniform(-3e-2, 3e-2, 4096)).astype(np.float32)
+    weight = start.astype(ml_dtypes.bfloat16)
+    low = start.view(np.uint32).astype(np.int64) - (weight.view(np.uint16).astype(np.int64) << 16)
+    assert (np.abs(low) <= 2**15).all()
+    low = low.clip(-(2**15), 2**15 - 1).astype(np.int16)  # a tie cut the other way: still exact
+    start = np.asarray(float32_of(weight, low))
+    tx = jls.kahan_summation()
+    new_updates, state = jax.jit(tx.update)(
+        jnp.asarray(updates), _bf16_weights.KahanSummationState(jnp.asarray(low)), weight
+    )
+    new = optax.apply_updates(jnp.asarray(weight), new_updates)
+    total = start + updates
+    assert_bits_equal(float32_of(new, state.compensation), jnp.asarray(total))
+    tie = (total.view(np.uint32) & 0xFFFF) == 0x8000  # rounded away from zero, not to even
+    nearest = np.where(tie, np.nextafter(total, np.sign(total) * np.inf), total)
+    np.testing.assert_array_equal(np.asarray(new), nearest.astype(ml_dtypes.bfloat16))
+
+    edges = jnp.array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16)
+    low = jnp.array([0, 0, 0, -5, -5], jnp.int16)
+    edge_updates = jnp.array([1e38, np.nan, np.inf, 1.0, -0.0], F32)
+    new_updates, state = tx.update(edge_updates, _bf16_weights.KahanSummationState(low), edges)
+    new = np.asarray(optax.apply_updates(edges, new_updates), np.float32)
+    assert new[[0, 2, 3]].tolist() == [np.inf, np.inf, 1.0]
+    assert np.isnan(new[1])
+    assert bits(new[4:].astype(ml_dtypes.bfloat16)).tolist() == [0x8000]  # -0.0 kept
+    assert state.compensation.tolist() == [0, 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("compensation_dtype", [None, F32])
 def test_kahan_gives_float16_weights_their_buffers_inside_loss_scaled(compensation_dtype):
     """loss_scaled's init gives inner.init the float16 params widened to float32; the
