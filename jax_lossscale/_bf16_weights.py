@@ -72,7 +72,7 @@ def own_dtypes_of(widened: optax.Params, params: optax.Params) -> Iterator[None]
     own: dict[int, tuple[Any, np.dtype[Any]]] = {}
     for wide, param in zip(jax.tree.leaves(widened), jax.tree.leaves(params), strict=True):
         dtype = getattr(param, "dtype", None)
-        if wide is not param and dtype is not None and np.dtype(dtype) in _ROUNDED:
+        if wide is not param and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
             own[id(wide)] = (wide, np.dtype(dtype))
     token = _WIDENED.set(own)
     try:
