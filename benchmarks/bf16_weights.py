@@ -14,7 +14,12 @@ Reported: the mean training loss over the last tenth of the steps and its ratio 
 float32 master run's, the median seconds per step and its ratio to `bf16 nearest`, and
 the bytes of params and optimizer state per parameter. The four runs take turns block by
 block of `--block` steps, so each timing comes from the same stretch of machine time; the
-first step of a block (after switching programs) is not timed. Run:
+first step of a block (after switching programs) is not timed.
+
+Then the optimizer step alone at `--step-sizes` parameters (bfloat16, in 8 leaves):
+`tx.update` and `optax.apply_updates` jitted with params and state donated, for adamw
+rounding to nearest and with each remedy last in the chain, taking turns step by step
+`--step-repeats` times; reported: the median and its ratio to rounding to nearest. Run:
 
     python -m benchmarks bf16-weights --json benchmarks/results/bf16-weights-cpu.json
 """
@@ -47,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
     results = measure(args)
+    results["optimizer_step"] = measure_optimizer_steps(args)
     results = {"machine": run._machine(), "command": _command(argv), **results}
     print(table(results), flush=True)
     run.write_results(results, args.json or run.default_path("bf16-weights-"))
@@ -64,6 +70,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="hidden layers' width")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument(
+        "--step-sizes",
+        type=lambda text: [run.parse_count(item) for item in text.split(",") if item.strip()],
+        default="160K,1M,4M",
+        help="parameter counts of the optimizer step alone, comma-separated ('' for none)",
+    )
+    parser.add_argument("--step-repeats", type=int, default=30, help="timed steps of each")
     parser.add_argument("--json", default=None, help="where to write JSON")
     return parser.parse_args(argv)
 
@@ -199,6 +212,56 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def measure_optimizer_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The optimizer step alone at each of `args.step_sizes` parameters."""
+    adamw = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
+    contenders = {
+        "bf16 nearest": adamw,
+        "bf16 + stochastic_rounding": optax.chain(
+            adamw, jls.stochastic_rounding(jax.random.key(1))
+        ),
+        "bf16 + kahan_summation": optax.chain(adamw, jls.kahan_summation()),
+    }
+    rows = []
+    for size in args.step_sizes:
+        leaf = max(size // 8, 1)
+        shape = (max(leaf // 1000, 1), min(leaf, 1000))
+        keys = jax.random.split(jax.random.key(2), 8)
+        grads = [jax.random.normal(key, shape, BF16) * 1e-3 for key in keys]
+        states, steps = {}, {}
+        for name, tx in contenders.items():
+            params = [jnp.ones(shape, BF16) * 0.5 for _ in keys]
+            states[name] = (params, tx.init(params))
+            steps[name] = _optimizer_step_of(tx)
+            states[name] = steps[name](*states[name], grads)  # compiled, not timed
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(args.step_repeats):
+            for name in contenders:
+                begin = time.perf_counter()
+                states[name] = steps[name](*states[name], grads)
+                jax.block_until_ready(states[name])
+                times[name].append(time.perf_counter() - begin)
+        median = {name: statistics.median(values) for name, values in times.items()}
+        rows.extend(
+            {
+                "params": len(keys) * shape[0] * shape[1],
+                "contender": name,
+                "step_seconds": median[name],
+                "time_ratio_to_nearest": median[name] / median["bf16 nearest"],
+            }
+            for name in contenders
+        )
+    return rows
+
+
+def _optimizer_step_of(tx: optax.GradientTransformation) -> Callable:
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
 def table(results: dict[str, Any]) -> str:
     model = results["model"]
     lines = [
@@ -213,6 +276,17 @@ def table(results: dict[str, Any]) -> str:
             f" | {row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
             f" | {row['bytes_per_param']:.1f}"
         )
+    if results.get("optimizer_step"):
+        lines += [
+            "\n## the optimizer step alone (adamw, bfloat16 params in 8 leaves, donated)",
+            "params | contender | step (vs bf16 nearest)",
+            "--- | --- | ---",
+        ]
+        for row in results["optimizer_step"]:
+            lines.append(
+                f"{row['params'] / 1e3:g}K | {row['contender']} | "
+                f"{row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
+            )
     return "\n".join(lines)
 
 

@@ -9,6 +9,9 @@ lands on the chosen value exactly. Wider floating leaves and non-floating leaves
 through as the inner updates.
 """
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -24,22 +27,58 @@ _BF16 = jnp.dtype(jnp.bfloat16)
 _F16 = jnp.dtype(jnp.float16)
 _ROUNDED = (_BF16, _F16)
 _TWO_TO_32 = float(2**32)
+_APPLY_WITH = (
+    "apply the updates with optax.apply_updates, which keeps each weight's dtype "
+    "(eqx.apply_updates, or params + updates, turns bfloat16 and float16 weights float32)"
+)
+
+# While an inner `init` runs on params of which `loss_scaled` widened the float16 leaves to
+# float32 (see `own_dtypes_of`): id of each widened leaf -> (the leaf, the param's own dtype).
+_WIDENED: contextvars.ContextVar[dict[int, tuple[Any, np.dtype[Any]]] | None] = (
+    contextvars.ContextVar("widened", default=None)
+)
 
 
 class StochasticRoundingState(NamedTuple):
-    """The state of `stochastic_rounding`: the data of the PRNG key of the next step."""
+    """The state of `stochastic_rounding`: the data of the PRNG key of the next step, and
+    the dtype each rounded leaf had at init.
+
+    `rounded` mirrors the params: a zero scalar of the leaf's dtype where the leaf is
+    bfloat16 or float16 (2 bytes a leaf), None elsewhere.
+    """
 
     key: jax.Array  # uint32, `jax.random.key_data` of a key
+    rounded: optax.Params
 
 
 class KahanSummationState(NamedTuple):
     """The state of `kahan_summation`: a compensation buffer per low-precision leaf.
 
-    `compensation` mirrors the params: an array of the compensation dtype where the leaf
-    is bfloat16 or float16, None elsewhere.
+    `compensation` mirrors the params: an array where the leaf is bfloat16 or float16,
+    None elsewhere. By default that is, for a bfloat16 leaf, an int16 array of the 16 bits
+    the float32 sum has below the weight (the weight and it together are that float32
+    value), and for a float16 leaf a float32 array of what the rounding dropped; with a
+    `compensation_dtype`, an array of that dtype holding what the rounding dropped.
     """
 
     compensation: optax.Params
+
+
+@contextlib.contextmanager
+def own_dtypes_of(widened: optax.Params, params: optax.Params) -> Iterator[None]:
+    """While an `init` inside runs on `widened`, a copy of `params` whose float16 leaves
+    `loss_scaled` widened to float32, `stochastic_rounding` and `kahan_summation` make the
+    state of each such leaf for the param's own dtype, as they would given `params`."""
+    own: dict[int, tuple[Any, np.dtype[Any]]] = {}
+    for wide, param in zip(jax.tree.leaves(widened), jax.tree.leaves(params), strict=True):
+        dtype = getattr(param, "dtype", None)
+        if wide is not param and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            own[id(wide)] = (wide, np.dtype(dtype))
+    token = _WIDENED.set(own)
+    try:
+        yield
+    finally:
+        _WIDENED.reset(token)
 
 
 def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs:
@@ -53,16 +92,25 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
     last place of the weight then moves it in expectation instead of being lost. Infinities
     and NaN come through as they are; a sum beyond the largest finite value rounds to
     infinity as if the next value up existed (2**128 for bfloat16, 65536 for float16).
-    Other leaves pass through as the inner updates.
+    Other leaves pass through as the inner updates. Apply the updates with
+    `optax.apply_updates`: a weight it rounded that comes back in another dtype (float32
+    after `eqx.apply_updates`) is an error.
 
     The state holds the key; each step splits it and draws the bits of each leaf from its
-    own key, the same on every device, so replicated params under `pmap` or `shard_map`
-    round alike, and a sharded leaf under SPMD `jit` rounds as the unsharded leaf would. A
-    step that `loss_scaled` skips does not reach it and consumes no randomness.
+    own key (16 bits an entry for bfloat16, 32 for float16), the same on every device, so
+    replicated params under `pmap` or `shard_map` round alike, and a sharded leaf under SPMD
+    `jit` rounds as the unsharded leaf would. Under `shard_map`, a leaf that varies over
+    mesh axes (a shard of a weight: its `in_specs` name them) also folds the device's
+    position along those axes into its bits, so that the shards round independently. A step
+    that `loss_scaled` skips does not reach it and consumes no randomness.
 
     Args:
       key: a PRNG key, `jax.random.key(seed)` (or a legacy `jax.random.PRNGKey(seed)`).
-        A key made with `impl="rbg"` draws its bits faster on a GPU.
+        A key made with `impl="rbg"` draws its bits faster on a GPU. The bits depend on
+        the key and the leaf's position in the params only: two transformations given the
+        same key (the groups of an `optax.multi_transform`, say) round the leaves at the
+        same positions with the same bits. Give each its own key
+        (`jax.random.split(key)`).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -88,8 +136,13 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
     key_data, impl = _checked_key(key)
 
     def init_fn(params: optax.Params) -> StochasticRoundingState:
-        del params
-        return StochasticRoundingState(key_data)
+        def marker(path: Any, param: Any) -> jax.Array | None:
+            dtype = _rounded_dtype(param, path, "stochastic_rounding", at_init=True)
+            return None if dtype is None else jnp.zeros((), dtype)
+
+        # A copy: a donated state must not take the key this transformation starts from.
+        key = jnp.array(key_data, copy=True)
+        return StochasticRoundingState(key, jax.tree_util.tree_map_with_path(marker, params))
 
     def update_fn(
         updates: optax.Updates,
@@ -103,20 +156,28 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
         next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
         flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_updates = _updates_like(treedef, updates, "stochastic_rounding")
+        flat_markers = _state_like(treedef, state.rounded, "stochastic_rounding", "rounded")
         new_updates = []
-        for index, ((path, param), update) in enumerate(
-            zip(flat_params, flat_updates, strict=True)
+        for index, ((path, param), update, marker) in enumerate(
+            zip(flat_params, flat_updates, flat_markers, strict=True)
         ):
             dtype = _rounded_dtype(param, path, "stochastic_rounding")
+            if marker is not None and dtype != marker.dtype:
+                raise TypeError(
+                    f"stochastic_rounding.update: the param {path_name(path)} is of dtype "
+                    f"{getattr(param, 'dtype', type(param).__name__)}, but was {marker.dtype} "
+                    f"when the state was made; {_APPLY_WITH}"
+                )
             if dtype is None:
                 new_updates.append(update)
                 continue
             total = _float32(param) + _float32(update)
-            rounded = round_stochastically(total, dtype, jax.random.fold_in(step_key, index))
+            leaf_key = _on_this_shard(jax.random.fold_in(step_key, index), total)
+            rounded = round_stochastically(total, dtype, leaf_key)
             new_updates.append(_difference(rounded, param))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
-            StochasticRoundingState(jax.random.key_data(next_key)),
+            StochasticRoundingState(jax.random.key_data(next_key), state.rounded),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
@@ -126,17 +187,31 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     """Keeps what rounding a bfloat16 or float16 weight dropped, and adds it back next step.
 
     Put it last in the chain (the chain given to `loss_scaled`, or a plain one). For each
-    leaf of dtype bfloat16 or float16 it holds a compensation buffer c: the new weight is
-    `params + (u + c)` (u the inner updates, summed in float32) rounded to the nearest value
-    of the leaf's dtype, and c becomes what that rounding dropped. The weights then follow
-    the float32 sum of the updates to within the rounding of the buffer, deterministically,
-    for the memory of the buffer (2 bytes a parameter in bfloat16). Other leaves pass
-    through as the inner updates and have no buffer. A step that `loss_scaled` skips leaves
-    the buffer as it was, bit for bit.
+    leaf of dtype bfloat16 or float16 it holds a compensation buffer: the new weight is the
+    float32 sum of the weight, the inner updates u and what the buffer holds, rounded to
+    the nearest value of the leaf's dtype, and the buffer keeps what that rounding dropped.
+    Other leaves pass through as the inner updates and have no buffer. A step that
+    `loss_scaled` skips leaves the buffer as it was, bit for bit. Apply the updates with
+    `optax.apply_updates`: a weight with a buffer that comes back in another dtype (float32
+    after `eqx.apply_updates`) is an error.
+
+    By default a bfloat16 weight's buffer is an int16 array of the 16 bits that float32 has
+    below bfloat16 (2 bytes a parameter): weight and buffer together are the float32 sum of
+    the updates, bit for bit, however small each update is; the weight is that sum rounded
+    to nearest (ties away from zero). A float16 weight's buffer is float32 (4 bytes), and
+    weight plus buffer follow the float32 sum to within float32 rounding.
+
+    A buffer of bfloat16 (or float16) keeps only updates above about half its own spacing:
+    smaller ones are lost, as nearest rounding loses them without a buffer, once the
+    buffer has grown toward half the weight's gap. For bfloat16 that is an update below
+    about 2**-18 of the power of two above the weight (3.8e-6 for weights in [0.5, 1],
+    1.2e-7 at 0.02), which the tail of a decaying schedule reaches.
 
     Args:
-      compensation_dtype: the buffer's floating dtype; None (the default) is each leaf's
-        own dtype. `jnp.float32` makes weight plus buffer a float32 value.
+      compensation_dtype: None (the default) for the buffers above; a floating dtype for
+        a buffer of that dtype holding what the rounding dropped (`jnp.float32`: 4 bytes a
+        parameter, weight plus buffer a float32 value; `jnp.bfloat16`: 2 bytes, with the
+        threshold above).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `KahanSummationState`.
@@ -152,8 +227,8 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
       >>> for _ in range(1000):
       ...     updates, opt_state = tx.update(jnp.full(3, -1e-4), opt_state, params)
       ...     params = optax.apply_updates(params, updates)
-      >>> params
-      Array([0.902344, 0.902344, 0.902344], dtype=bfloat16)
+      >>> params  # the bfloat16 nearest to 0.9
+      Array([0.898438, 0.898438, 0.898438], dtype=bfloat16)
       >>> optax.apply_updates(jnp.ones(3, jnp.bfloat16), jnp.full(3, -1e-4))  # nearest: lost
       Array([1, 1, 1], dtype=bfloat16)
     """
@@ -165,10 +240,12 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
 
     def init_fn(params: optax.Params) -> KahanSummationState:
         def buffer(path: Any, param: Any) -> jax.Array | None:
-            dtype = _rounded_dtype(param, path, "kahan_summation")
+            dtype = _rounded_dtype(param, path, "kahan_summation", at_init=True)
             if dtype is None:
                 return None
-            return jnp.zeros(jnp.shape(param), buffer_dtype or dtype)
+            if buffer_dtype is not None:
+                return jnp.zeros(jnp.shape(param), buffer_dtype)
+            return jnp.zeros(jnp.shape(param), jnp.int16 if dtype == _BF16 else jnp.float32)
 
         return KahanSummationState(jax.tree_util.tree_map_with_path(buffer, params))
 
@@ -183,35 +260,90 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
         _check_state(state, KahanSummationState, "kahan_summation")
         flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_updates = _updates_like(treedef, updates, "kahan_summation")
-        structure: Any = treedef
-        try:
-            flat_buffers = structure.flatten_up_to(state.compensation)
-        except (ValueError, TypeError) as error:
-            raise ValueError(
-                "kahan_summation.update: the state's compensation buffers do not match the "
-                f"params' structure; was the state made by tx.init(params)? ({error})"
-            ) from None
+        flat_buffers = _state_like(treedef, state.compensation, "kahan_summation", "compensation")
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
         for (path, param), update, buffer in zip(
             flat_params, flat_updates, flat_buffers, strict=True
         ):
             dtype = _rounded_dtype(param, path, "kahan_summation")
+            if (dtype is None) != (buffer is None) or (
+                buffer is not None and buffer.dtype == jnp.int16 and dtype != _BF16
+            ):
+                raise TypeError(
+                    f"kahan_summation.update: the param {path_name(path)} is of dtype "
+                    f"{getattr(param, 'dtype', type(param).__name__)}, and the state "
+                    + ("has no buffer for it" if buffer is None else "holds a buffer for it")
+                    + f" (made for a {'wider' if buffer is None else 'bfloat16 or float16'} "
+                    f"weight); {_APPLY_WITH}. A new model needs a new tx.init(params)"
+                )
             if dtype is None:
                 new_updates.append(update)
                 new_buffers.append(None)
                 continue
-            total = _float32(param) + (_float32(update) + _float32(buffer))
-            nearest = round_to_nearest(total, dtype)
-            kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
-            new_updates.append(_difference(nearest.astype(dtype), param))
-            new_buffers.append(kept.astype(buffer.dtype))
+            if buffer.dtype == jnp.int16:
+                rounded, kept = _add_in_float32(param, buffer, _float32(update))
+            else:
+                rounded, kept = _add_compensated(param, buffer, _float32(update), dtype)
+            new_updates.append(_difference(rounded, param))
+            new_buffers.append(kept)
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
             KahanSummationState(jax.tree_util.tree_unflatten(treedef, new_buffers)),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _add_in_float32(
+    param: jax.Array, low: jax.Array, update: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The bfloat16 weight and int16 buffer of `(param, low) + update`, added in float32.
+
+    `param`'s 16 bits followed by `low` as an offset of the bit pattern are the float32
+    value x they were cut from; x + update is rounded to the nearest bfloat16 with ties
+    away from zero (a carry of half a gap), so that the pattern offset the rounding leaves
+    lies in [-2**15, 2**15) and fits int16 exactly. A weight that is zero keeps no negative
+    offset (it was set from outside: zero is where the offset from a rounding is
+    non-negative), and a non-finite weight or sum keeps none.
+    """
+    high = lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    offset = low.astype(jnp.int32)
+    offset = jnp.where((offset < 0) & ((high & jnp.uint32(0x7FFFFFFF)) == 0), 0, offset)
+    value = lax.bitcast_convert_type(
+        high + lax.bitcast_convert_type(offset, jnp.uint32), jnp.float32
+    )
+    value = jnp.where(jnp.isfinite(param), value, _float32(param))
+    total = value + update
+    rounded = round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
+    cut = lax.bitcast_convert_type(rounded, jnp.uint16).astype(jnp.uint32) << 16
+    kept = lax.bitcast_convert_type(lax.bitcast_convert_type(total, jnp.uint32) - cut, jnp.int32)
+    kept = jnp.where(jnp.isfinite(rounded), kept, 0)
+    return rounded, kept.astype(jnp.int16)
+
+
+def _add_compensated(
+    param: jax.Array, buffer: jax.Array, update: jax.Array, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The weight of `dtype` nearest to param + (update + buffer), and what it dropped (in
+    the buffer's dtype). An empty buffer (zero) adds nothing, not even a sign: a -0.0
+    update keeps a -0.0 weight as `optax.apply_updates` does."""
+    compensation = _float32(buffer)
+    corrected = jnp.where(compensation == 0, update, update + compensation)
+    total = _float32(param) + corrected
+    nearest = round_to_nearest(total, dtype)
+    kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
+    return nearest.astype(dtype), kept.astype(buffer.dtype)
+
+
+def _on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
+    """`key` folded with the device's position along each mesh axis that `value` varies
+    over under `shard_map` (its shard of a sharded leaf); `key` itself elsewhere."""
+    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
+    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
+    for axis in sorted(varying, key=str):
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    return key
 
 
 # --- the rounding ---------------------------------------------------------------------------
@@ -221,10 +353,20 @@ def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`."""
     dtype = jnp.dtype(dtype)
     if dtype == _BF16:
-        bits = jax.random.bits(key, jnp.shape(x), jnp.uint16)
-        return round_bfloat16(x, bits)
+        return round_bfloat16(x, _bits16(key, jnp.shape(x)))
     bits = jax.random.bits(key, jnp.shape(x), jnp.uint32)
     return round_float16(x, bits)
+
+
+def _bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint16 draws of `shape`: both halves of half as many 32-bit words, drawn
+    along the last axis (so that a leaf sharded along another axis draws its own words)."""
+    if not shape:
+        return jax.random.bits(key, (), jnp.uint32).astype(jnp.uint16)
+    *rows, length = shape
+    words = jax.random.bits(key, (*rows, (length + 1) // 2), jnp.uint32)
+    halves = jnp.stack([words & jnp.uint32(0xFFFF), words >> 16], axis=-1).astype(jnp.uint16)
+    return halves.reshape(*rows, -1)[..., :length]
 
 
 def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -320,8 +462,9 @@ def _checked_key(key: Any) -> tuple[jax.Array, Any]:
     if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != ():
             raise ValueError(
-                f"stochastic_rounding(key={describe(key)}): key must be a single PRNG key, "
-                f"got a key array of shape {key.shape}"
+                f"stochastic_rounding(key=<{describe_array(key)}>): key must be a single "
+                f"PRNG key, got a key array of shape {key.shape}; split keys give one each "
+                "to several transformations"
             )
         return jax.random.key_data(key), jax.random.key_impl(key)
     if isinstance(key, jax.Array | np.ndarray) and key.dtype == jnp.uint32:
@@ -363,9 +506,26 @@ def _updates_like(treedef: Any, updates: Any, owner: str) -> list[Any]:
     return flat
 
 
-def _rounded_dtype(param: Any, path: Any, owner: str) -> np.dtype[Any] | None:
-    """bfloat16 or float16 where `param` is such an array; None for a leaf passed through."""
+def _state_like(treedef: Any, tree: Any, owner: str, field: str) -> list[Any]:
+    try:
+        flat: list[Any] = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{owner}.update: the state's {field} does not match the params' structure; was "
+            f"the state made by tx.init(params)? ({error})"
+        ) from None
+    return flat
+
+
+def _rounded_dtype(
+    param: Any, path: Any, owner: str, at_init: bool = False
+) -> np.dtype[Any] | None:
+    """bfloat16 or float16 where `param` is such an array; None for a leaf passed through.
+    `at_init`: the dtype of the param a leaf that `loss_scaled` widened stands for."""
     given = getattr(param, "dtype", None)
+    widened = (_WIDENED.get() or {}).get(id(param)) if at_init else None
+    if widened is not None and widened[0] is param:
+        return widened[1]
     if given is None or not jnp.issubdtype(given, jnp.floating):
         return None
     dtype: np.dtype[Any] = np.dtype(given)

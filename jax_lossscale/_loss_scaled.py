@@ -6,6 +6,7 @@ import optax
 from jax.lax import optimization_barrier
 
 from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
+from jax_lossscale._bf16_weights import own_dtypes_of
 from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
@@ -104,7 +105,10 @@ def loss_scaled(
     meta_leaves = MetaLeaves(fp8_meta)  # fp8 scales and amax histories: _fp8_meta.py
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        inner_state = inner.init(in_unscaled_dtypes(meta_leaves.without(params)))
+        params = meta_leaves.without(params)
+        widened = in_unscaled_dtypes(params)
+        with own_dtypes_of(widened, params):  # kahan_summation: float16 weights get buffers
+            inner_state = inner.init(widened)
         if wrapper_states(inner_state):
             raise ValueError(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "

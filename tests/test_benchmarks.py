@@ -135,7 +135,8 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
 
     path = tmp_path / "bf16.json"
     argv = ["--steps", "6", "--block", "3", "--batch", "4", "--context", "4", "--embed", "4",
-            "--hidden", "8", "--json", str(path)]  # fmt: skip
+            "--hidden", "8", "--step-sizes", "8K", "--step-repeats", "2",
+            "--json", str(path)]  # fmt: skip
     results = bf16_weights.main(argv)
     assert json.loads(path.read_text()) == json.loads(json.dumps(results))
     rows = {row["contender"]: row for row in results["rows"]}
@@ -148,3 +149,7 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
     assert all(row["final_loss"] > 0 and row["step_seconds"] > 0 for row in rows.values())
     assert results["command"].startswith("python -m benchmarks bf16-weights --steps 6")
     assert "bf16 + stochastic_rounding |" in capsys.readouterr().out
+    steps = {row["contender"]: row for row in results["optimizer_step"]}
+    assert list(steps) == list(bf16_weights.CONTENDERS[1:])
+    assert {row["params"] for row in steps.values()} == {8000}
+    assert steps["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
