@@ -101,6 +101,18 @@ WHOLE_TREE_STEP = _whole_tree_step(TX)
 TRAIN_STATE_STEP = _train_state_step(TX)
 
 
+def _followed(tree, factor):
+    """`tree` with the output gradients' meta leaves times `factor`, as a change of the scale
+    leaves them."""
+
+    def follow(path, leaf):
+        if path[-1].key in ("output_grad_amax_history", "output_grad_scale"):
+            return (leaf * np.float32(factor)).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(follow, tree)
+
+
 def _no_inf(tree):
     return all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
 
@@ -170,7 +182,9 @@ def test_whole_tree_skip_keeps_every_bit_and_backs_off():
     variables, opt_state = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), X, Y)
     before = jax.tree.map(np.asarray, variables)
     variables, opt_state = WHOLE_TREE_STEP(variables, opt_state, X_INF, Y)
-    assert_bits_equal(variables, before)
+    # Kept bit for bit, but the output gradients' meta, which follow the back-off.
+    assert_bits_equal(variables, _followed(before, 0.5))
+    assert float(_layer(variables)["output_grad_scale"][0]) == 0.5
     stats = jls.get_loss_scale_stats(opt_state)
     assert (float(stats.loss_scale), int(stats.inf_skipped_steps)) == (SCALE / 2, 1)
     assert float(stats.grad_norm) < 1.0  # the gradients themselves were finite
@@ -331,7 +345,8 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     bad = X_INF.reshape(n, -1, 8)[::-1], shards[1][::-1]
     kept, opt_states = step(initial_variables(), tx.init(initial_variables()), *bad)
     for k in range(n):
-        assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], kept), initial_variables())
+        kept_k = jax.tree.map(lambda leaf, k=k: leaf[k], kept)
+        assert_bits_equal(kept_k, _followed(initial_variables(), 0.5))
     np.testing.assert_array_equal(jls.get_loss_scale_stats(opt_states).loss_scale, [SCALE / 2] * n)
 
 
