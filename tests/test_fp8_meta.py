@@ -648,3 +648,60 @@ def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
     np.testing.assert_allclose(history, expected, rtol=1e-6, atol=0)
     late_whole, late_exact = loss_whole[-50:].mean(), loss_exact[-50:].mean()
     assert abs(late_whole - late_exact) <= 0.1 * late_exact, (late_whole, late_exact)
+
+
+def _shard_map_step(check_vma):
+    """A data-parallel step under `shard_map` over every device, as docs/distributed.md has it."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
+
+    def step(variables, opt_state, x, y):
+        def loss(variables):
+            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / X.shape[0]
+
+        _, grads = jls.value_and_grad(loss, opt_state)(variables)
+        grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
+        updates, opt_state = tx.update(grads, opt_state, variables)
+        return optax.apply_updates(variables, updates), opt_state
+
+    replicated, batch = PartitionSpec(), PartitionSpec("data")
+    mapped = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(replicated, replicated, batch, batch),
+        out_specs=(replicated, replicated),
+        check_vma=check_vma,
+    )
+    return jax.jit(mapped), tx
+
+
+def test_shard_map_needs_check_vma_false_for_flax_fp8_layers():
+    # flax's fp8 custom VJP gives the meta leaves' cotangents without the device axis in their
+    # type; shard_map's default check refuses them (docs/distributed.md says so).
+    step, tx = _shard_map_step(check_vma=True)
+    with pytest.raises(Exception, match="manual axis types do not match"):
+        step(initial_variables(), tx.init(initial_variables()), X, Y)
+    step, tx = _shard_map_step(check_vma=False)
+    got, _ = step(initial_variables(), tx.init(initial_variables()), X, Y)
+    expected, _ = _single_device_reference(X, Y)
+    chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
+    assert float(_layer(got)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
+    # One device's inf pixel: the step is skipped on every device.
+    kept, opt_state = step(initial_variables(), tx.init(initial_variables()), X_INF[::-1], Y[::-1])
+    assert_bits_equal(kept, _followed(initial_variables(), 0.5))
+    assert float(jls.get_loss_scale(opt_state)) == SCALE / 2
+
+
+def test_optax_multisteps_outside_sets_the_meta_to_the_mean_of_the_microbatches():
+    # The trap docs/integrations.md names: MultiSteps averages the meta leaves' updates as it
+    # averages gradients, so each meta leaf ends the window at the mean of the microbatches'
+    # values (an amax of 4.555 = mean(3.037, 6.074), below the largest); inside, each is kept.
+    tx = optax.MultiSteps(_tx(), 2)
+    step = _whole_tree_step(tx)
+    variables, opt_state = initial_variables(), tx.init(initial_variables())
+    for x in [X, 2 * X]:
+        variables, opt_state = step(variables, opt_state, x, Y)
+    got = float(_layer(variables)["input_amax_history"][0])
+    a = np.float32(INPUT_AMAX)
+    np.testing.assert_allclose(got, (a + 2 * a) / 2, rtol=1e-6)
+    np.testing.assert_allclose(got, 4.555290, rtol=1e-6)
