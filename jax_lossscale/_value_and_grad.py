@@ -98,19 +98,9 @@ def value_and_grad(
                 "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
             )
 
+        # The output gradients' meta leaves, at the part of the scale the backward pass carries.
         numbers = argnums if using is None else 0
-        positions = [numbers] if isinstance(numbers, int) else list(numbers)
-        positions = [position % len(args) if args else position for position in positions]
-        differentiated = [args[position] for position in positions]
-        # The differentiated arguments as the gradients come: one tree, or a tuple of them.
-        tree = differentiated[0] if isinstance(numbers, int) else tuple(differentiated)
-        lift = _lift(fun, has_aux, scale, meta_leaves, tree, args, kwargs)
-        if lift is not None:  # the output gradients' meta, at the part of the scale carried
-            lowered = _lowered(meta_leaves, tree, lift)
-            lowered = [lowered] if isinstance(numbers, int) else list(lowered)
-            args = tuple(
-                lowered[positions.index(k)] if k in positions else arg for k, arg in enumerate(args)
-            )
+        args, lift = _lowering(fun, has_aux, scale, meta_leaves, numbers, args, kwargs)
 
         def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
@@ -167,6 +157,39 @@ def _times(rest: jax.Array, leaf: Any) -> Any:
         wide = jnp.promote_types(leaf.dtype, jnp.float32)
         return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
     return leaf
+
+
+def _lowering(
+    fun: Callable[..., Any],
+    has_aux: bool,
+    scale: jax.Array,
+    meta_leaves: MetaLeaves,
+    argnums: int | Sequence[int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], jax.Array | None]:
+    """`args` with the differentiated arguments' output-gradient meta leaves divided by the
+    power of two `lift` in the rest of the scale, and `lift`; or `args` as they are and None
+    where there is nothing to divide (or argnums is wrong: jax's own error follows)."""
+    numbers = [argnums] if isinstance(argnums, int) else argnums
+    if not isinstance(numbers, Sequence) or not all(
+        isinstance(number, int) and -len(args) <= number < len(args) for number in numbers
+    ):
+        return args, None
+    positions = [number % len(args) for number in numbers]
+    differentiated = [args[position] for position in positions]
+    # The differentiated arguments as the gradients come: one tree, or a tuple of them.
+    tree = differentiated[0] if isinstance(argnums, int) else tuple(differentiated)
+    lift = _lift(fun, has_aux, scale, meta_leaves, tree, args, kwargs)
+    if lift is None:
+        return args, None
+    lowered = _lowered(meta_leaves, tree, lift)
+    lowered_args = list(args)
+    for position, argument in zip(
+        positions, [lowered] if isinstance(argnums, int) else lowered, strict=True
+    ):
+        lowered_args[position] = argument
+    return tuple(lowered_args), lift
 
 
 def _lift(
