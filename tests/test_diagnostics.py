@@ -269,10 +269,10 @@ def test_check_not_stuck_names_the_float16_fp8_layer_that_overflows():
         @nn.compact
         def __call__(self, x):
             dot = fp8_ops.Fp8DirectDotGeneralOp
-            x = nn.Dense(64, dtype=self.dtype, dot_general_cls=dot)(x)
+            x = nn.Dense(16, dtype=self.dtype, dot_general_cls=dot)(x)
             return nn.Dense(1, dtype=self.dtype, dot_general_cls=dot)(nn.relu(x))
 
-    x = jax.random.normal(jax.random.key(1), (256, 64))
+    x = jax.random.normal(jax.random.key(1), (32, 16))
     y = jnp.sum(x, axis=1, keepdims=True)
     tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(2.0**4))
 

@@ -497,11 +497,9 @@ def _three_routes(loss_dtype, loss_scale):
     ("loss_dtype", "loss_scale"),
     [
         (jnp.float16, jls.DynamicLossScale(2.0**16)),
-        (jnp.bfloat16, jls.DynamicLossScale(2.0**17)),
-        (jnp.float32, jls.DynamicLossScale(2.0**16)),
-        (jnp.float16, jls.FixedLossScale(1000.0)),
+        (jnp.bfloat16, jls.FixedLossScale(1000.0)),
     ],
-    ids=["float16-2**16", "bfloat16-2**17", "float32-2**16", "float16-fixed-1000"],
+    ids=["float16-2**16", "bfloat16-fixed-1000"],
 )
 def test_every_route_keeps_flax_s_meta_values_over_steps(loss_dtype, loss_scale):
     # Before: a float16 loss at 2**16 doubled the amax histories every step (3.3e12 by step 40)
