@@ -3,7 +3,9 @@
 fp8 layers (flax linen's `fp8_ops.Fp8DotGeneralOp`, `Fp8Einsum`) keep their scales and
 amax histories as variables whose cotangents are their next values. `loss_scaled` finds
 those leaves here, hands the rest of the tree to the inner optimizer, and turns the new
-values into updates that set them, or keep them on a skipped step.
+values into updates that set them, or keep them on a skipped step; the output gradients'
+histories and scales follow every change of the loss scale. `value_and_grad` finds them here
+too, to leave them out of the multiplication by the rest of the scale.
 """
 
 from collections.abc import Callable
