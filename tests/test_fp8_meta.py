@@ -586,15 +586,16 @@ class TinyMLP(nn.Module):
         return nn.Dense(1, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(nn.relu(x))
 
 
-def _tiny_loss(variables, x, y):
-    return jnp.mean((TinyMLP().apply(variables, x) - y) ** 2)
-
-
 @functools.cache
-def _long_run(steps):
+def _long_run(steps, loss_dtype, initial_scale):
     """The whole-tree and exact routes side by side over `steps` steps of one `lax.scan`: the
     scale grows every 20 clean steps and backs off at an inf pixel every 25th step."""
-    tx = jls.loss_scaled(optax.adam(3e-3), jls.DynamicLossScale(2.0**10, increment_period=20))
+
+    def _tiny_loss(variables, x, y):
+        return jnp.mean((TinyMLP().apply(variables, x) - y) ** 2).astype(loss_dtype)
+
+    scale = jls.DynamicLossScale(initial_scale, increment_period=20)
+    tx = jls.loss_scaled(optax.adam(3e-3), scale)
     x0 = jax.random.normal(jax.random.key(3), (16, 4))
     variables = TinyMLP().init(jax.random.key(0), x0)
     w_true = jnp.array([[1.0], [-2.0], [0.5], [1.5]])
@@ -624,10 +625,19 @@ def _long_run(steps):
     return jax.jit(lambda carry: jax.lax.scan(body, carry, jnp.arange(steps)))(carry)
 
 
-def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run():
+@pytest.mark.parametrize(
+    ("loss_dtype", "initial_scale"),
+    [(jnp.float32, 2.0**10), (jnp.float16, 2.0**15)],
+    ids=["float32", "float16-loss-across-2**15"],
+)
+def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
+    loss_dtype, initial_scale
+):
     # Before: each back-off-then-growth cycle doubled the stored history's overestimate
     # (3.8e13 by step 1,000), clean gradients became 0.0, the loss fell behind the exact route.
-    (whole, whole_state, _, exact_state), outputs = _long_run(400)
+    # A float16 loss carries at most 2**15 through the backward pass, the rest of the scale
+    # multiplying the gradients; the histories follow the whole scale all the same.
+    (whole, whole_state, _, exact_state), outputs = _long_run(400, loss_dtype, initial_scale)
     applied_whole, applied_exact, loss_whole, loss_exact, unscaled = map(np.asarray, outputs)
     assert int(applied_whole.sum()) == int(applied_exact.sum()) == 384  # 16 inf pixels
     assert not np.any(applied_exact & ~applied_whole)
