@@ -9,6 +9,7 @@ import numpy as np
 
 from jax_lossscale import _checks
 from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
+from jax_lossscale._fp8_meta import OVERWRITE_WITH_GRADIENT
 from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._numerics import is_floating
 from jax_lossscale._types import PyTree
@@ -129,7 +130,8 @@ def check_not_stuck(
       max_consecutive_skips: how many skipped steps in a row make a run stuck, >= 1: a
         Python int or a concrete integer array of shape () (`jnp.int32(5)`).
       non_finite_counts: optionally, `count_non_finite` of the last step's gradients,
-        returned by the step; the message then names the leaves that overflowed.
+        returned by the step; the message then names the leaves that overflowed, and,
+        where they hold flax's fp8 meta state, the fp8 layer that overflows in float16.
       on_stuck: `"raise"` a `LossScaleStuckError`, or `"warn"` (a `RuntimeWarning`) and
         go on.
 
@@ -199,7 +201,23 @@ def check_not_stuck(
             "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and "
             "compute it in float32, lower the learning rate, or restore a checkpoint from before"
         )
+        if non_finite_counts is not None and _holds_fp8_meta(non_finite_counts):
+            message += (
+                "; the gradients hold fp8 meta state ('_overwrite_with_gradient'): flax's "
+                "Fp8DirectDotGeneralOp with dtype=float16 overflows float16 in its matmuls once "
+                "its scales are set, at every loss scale; give those layers dtype=jnp.bfloat16 "
+                "or jnp.float32"
+            )
     if on_stuck == "raise":
         raise LossScaleStuckError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     return message
+
+
+def _holds_fp8_meta(tree: PyTree) -> bool:
+    """Whether a leaf of `tree` lies under flax's fp8 meta collection."""
+    return any(
+        isinstance(key, jax.tree_util.DictKey) and key.key == OVERWRITE_WITH_GRADIENT
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+        for key in path
+    )

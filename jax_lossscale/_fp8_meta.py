@@ -3,7 +3,9 @@
 fp8 layers (flax linen's `fp8_ops.Fp8DotGeneralOp`, `Fp8Einsum`) keep their scales and
 amax histories as variables whose cotangents are their next values. `loss_scaled` finds
 those leaves here, hands the rest of the tree to the inner optimizer, and turns the new
-values into updates that set them, or keep them on a skipped step.
+values into updates that set them, or keep them on a skipped step; the output gradients'
+histories and scales follow every change of the loss scale. `value_and_grad` finds them here
+too, to leave them out of the multiplication by the rest of the scale.
 """
 
 from collections.abc import Callable
@@ -27,9 +29,21 @@ OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 GRADIENT_SIDE_NAMES = frozenset({"output_grad_amax_history", "output_grad_scale"})
 
 
-def _gradient_side(path: tuple[Any, ...]) -> bool:
+def follows_scale(path: tuple[Any, ...]) -> bool:
+    """Whether the meta leaf at `path` holds amaxes of the scaled gradients (flax's names)."""
     key = path[-1] if path else None
     return isinstance(key, jax.tree_util.DictKey) and key.key in GRADIENT_SIDE_NAMES
+
+
+def times_saturating(leaf: jax.Array, factor: jax.Array) -> jax.Array:
+    """`leaf * factor` computed in float32 (or wider), in `leaf`'s dtype: a finite entry whose
+    product the dtype cannot hold becomes its largest finite value (an inf stays inf), so
+    that a history that follows a growth of the scale never holds an inf it did not have."""
+    wide = jnp.promote_types(leaf.dtype, jnp.float32)
+    product = leaf.astype(wide) * jnp.asarray(factor).astype(wide)
+    largest = float(jnp.finfo(leaf.dtype).max)
+    saturated = jnp.where(jnp.isfinite(leaf), jnp.clip(product, -largest, largest), product)
+    return saturated.astype(leaf.dtype)
 
 
 def _under_collection(path: tuple[Any, ...], leaf: Any) -> bool:
@@ -46,7 +60,7 @@ class MetaLeaves:
     `fp8_meta` argument: None for the default, a predicate `(path, leaf) -> bool`, or a
     pytree of bools (a mask), a prefix of the gradients' structure."""
 
-    def __init__(self, fp8_meta: Any) -> None:
+    def __init__(self, fp8_meta: Any, caller: str = "loss_scaled") -> None:
         self._predicate: Callable[[tuple[Any, ...], Any], Any] | None = None
         self._mask: PyTree = None
         if fp8_meta is None:
@@ -57,21 +71,22 @@ class MetaLeaves:
             leaves = jax.tree.leaves(fp8_meta)
             if not leaves or not all(isinstance(leaf, bool | np.bool_) for leaf in leaves):
                 raise TypeError(
-                    f"loss_scaled(fp8_meta={describe(fp8_meta)}): fp8_meta must be None (flax's "
+                    f"{caller}(fp8_meta={describe(fp8_meta)}): fp8_meta must be None (flax's "
                     f"'{OVERWRITE_WITH_GRADIENT}' collection), a predicate (path, leaf) -> bool, "
                     "or a pytree of bools (a mask) whose structure is a prefix of the gradients'"
                 )
             self._mask = fp8_meta
 
-    def flags(self, tree: PyTree, arg_name: str) -> list[bool]:
-        """Per leaf of `tree`, in `jax.tree.leaves` order, whether it is meta state."""
+    def flags(self, tree: PyTree, arg_name: str, caller: str) -> list[bool]:
+        """Per leaf of `tree`, in `jax.tree.leaves` order, whether it is meta state; errors
+        name `caller` (`"loss_scaled.init"`, `"loss_scaled.update"`, `"value_and_grad"`)."""
         if self._predicate is not None:
             flags = []
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
                 flag = self._predicate(path, leaf)
                 if not isinstance(flag, bool | np.bool_):
                     raise TypeError(
-                        f"loss_scaled.update: the fp8_meta predicate returned {describe(flag)} "
+                        f"{caller}: the fp8_meta predicate returned {describe(flag)} "
                         f"for the {arg_name} leaf at {path_name(path)}; it must return a "
                         "Python bool"
                     )
@@ -85,18 +100,26 @@ class MetaLeaves:
             )
         except ValueError as error:
             raise ValueError(
-                f"loss_scaled.update: the fp8_meta mask has the structure "
+                f"{caller}: the fp8_meta mask has the structure "
                 f"{jax.tree.structure(self._mask)}, which is not a prefix of the {arg_name}' "
                 f"structure {jax.tree.structure(tree)}"
             ) from error
         return cast(list[bool], jax.tree.leaves(spread))
+
+    def following(self, tree: PyTree, arg_name: str, caller: str) -> tuple[list[bool], list[bool]]:
+        """Per leaf of `tree`: whether it is meta state, and whether it is meta state that
+        holds amaxes of the scaled gradients (`follows_scale`)."""
+        flags = self.flags(tree, arg_name, caller)
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        follows = [flag and follows_scale(path) for flag, path in zip(flags, paths, strict=True)]
+        return flags, follows
 
     def without(self, params: PyTree) -> PyTree:
         """`params` with None in place of its meta leaves, for `inner.init`."""
         if params is None:
             return None
         leaves, structure = jax.tree.flatten(params)
-        flags = self.flags(params, "params")
+        flags = self.flags(params, "params", "loss_scaled.init")
         kept = [None if flag else leaf for leaf, flag in zip(leaves, flags, strict=True)]
         return jax.tree.unflatten(structure, kept)
 
@@ -106,7 +129,7 @@ class MetaLeaves:
         """The gradients and params with None for their meta leaves, and the meta step."""
         with_paths, structure = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [leaf for _, leaf in with_paths]
-        flags = self.flags(updates, "gradients")
+        flags = self.flags(updates, "gradients", "loss_scaled.update")
         if not any(flags):
             return updates, params, MetaStep()
         if params is None:
@@ -132,7 +155,7 @@ class MetaLeaves:
         new = [leaf for leaf, flag in zip(leaves, flags, strict=True) if flag]
         old = [leaf for leaf, flag in zip(old_leaves, flags, strict=True) if flag]
         follows = [
-            _gradient_side(path) for (path, _), flag in zip(with_paths, flags, strict=True) if flag
+            follows_scale(path) for (path, _), flag in zip(with_paths, flags, strict=True) if flag
         ]
         return grads, kept_params, MetaStep(structure, flags, new, old, axis_name, follows)
 
@@ -197,22 +220,34 @@ class MetaStep:
     def merged(
         self, updates: PyTree, apply: jax.Array, scale_ratio: Callable[[], jax.Array]
     ) -> PyTree:
-        """The inner updates with, at the meta leaves, `new - old` where `apply`, else -0.0.
+        """The inner updates with, at the meta leaves, the updates that set them.
 
-        On an applied step, the output gradients' amax histories and scales are
-        multiplied by `scale_ratio()` (the new loss scale over the old, read only where there
-        are meta leaves): when the scale
-        grows, the next step's gradients grow with it, and the fp8 scale computed from
-        the history must not clip them (docs/integrations.md measures it).
+        An applied step sets each meta leaf to its new value, a skipped one keeps it, bit for
+        bit, except the output gradients' amax histories and scales: they hold amaxes of the
+        *scaled* gradients, so on every step, applied or skipped, they are multiplied by
+        `scale_ratio()` (the new loss scale over the old, read only where there are meta
+        leaves), a growth and a back-off alike, saturating at the dtype's largest value
+        (`times_saturating`). The update of a floating leaf is computed and returned in
+        float32 (or the leaf's dtype where wider): `optax.apply_updates` then adds it in
+        float32, where `new - old` of two bfloat16 or float16 values is exact (within 2**16,
+        2**13 of each other), and the sum is `new` exactly.
         """
         if not self._local:
             return updates
         ratio = scale_ratio()
+        moved = ratio != 1
 
         def meta_update(new: jax.Array, old: jax.Array, follows: bool) -> jax.Array:
-            if follows and jnp.issubdtype(new.dtype, jnp.floating):
-                new = (new * ratio).astype(new.dtype)
-            return jnp.where(apply, new - old, jnp.full_like(old, -0.0)).astype(old.dtype)
+            if not jnp.issubdtype(old.dtype, jnp.floating):
+                return jnp.where(apply, new - old, jnp.zeros_like(old))
+            target = jnp.where(apply, new.astype(old.dtype), old)
+            changes = apply
+            if follows:
+                target = times_saturating(target, ratio)
+                changes = apply | moved
+            wide = jnp.promote_types(old.dtype, jnp.float32)
+            update = target.astype(wide) - old.astype(wide)
+            return jnp.where(changes, update, jnp.full_like(update, -0.0))
 
         inner_leaves = iter(jax.tree.leaves(updates))
         meta_updates = iter(

@@ -1,6 +1,5 @@
 """`value_and_grad`: the gradients of the loss times the scale, and the loss as it is."""
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._checks import describe, is_array, is_at_least_float32, is_scalar_array
+from jax_lossscale._fp8_meta import MetaLeaves, times_saturating
 from jax_lossscale._lookup import get_loss_scale
 
 
@@ -19,6 +19,7 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     using: Callable[..., Any] | None = None,
+    fp8_meta: Any = None,
 ) -> Callable[..., Any]:
     """`jax.value_and_grad` of `fun`, with the gradients scaled for `loss_scaled`.
 
@@ -31,6 +32,13 @@ def value_and_grad(
     holds (at most 2**15 for float16), exact there, and the gradients are multiplied by
     the rest of the scale in float32 (a scale that is not a power of two, such as
     2**15 * 0.7, is not rounded to the loss dtype).
+    fp8 meta leaves (`loss_scaled`'s `fp8_meta`), whose "gradients" are their new values,
+    come back as flax computes them, never multiplied by the rest. The output gradients'
+    amax histories and scales hold amaxes of the gradients of the loss times the scale;
+    where that rest holds a power of two `lift` (a float16 loss at a scale of 2**16 or
+    more), the layers run with them divided by `lift`, the part of the scale their backward
+    pass carries, and they come back multiplied by it, so that `loss_scaled` can follow the
+    scale's every change.
     The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
     a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
     array. Build it inside the train step, with the step's own `opt_state`: one trace
@@ -48,6 +56,8 @@ def value_and_grad(
       has_aux: whether `fun` returns `(value, aux)`.
       using: the value-and-grad transformation, `jax.value_and_grad` by default;
         `eqx.filter_value_and_grad` or `nnx.value_and_grad` for those frameworks.
+      fp8_meta: which leaves of the gradients are fp8 meta state, as `loss_scaled` takes
+        it: None for those under flax's `"_overwrite_with_gradient"` collection.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -67,6 +77,7 @@ def value_and_grad(
             f"value_and_grad(using={describe(using)}): using must be a value-and-grad "
             "transformation such as jax.value_and_grad or eqx.filter_value_and_grad"
         )
+    meta_leaves = MetaLeaves(fp8_meta, caller="value_and_grad")
     given = _scale(opt_state) is opt_state  # the scale itself, not read from a state
     transform = jax.value_and_grad if using is None else using
     # eqx.filter_value_and_grad takes no argnums: it differentiates the first argument.
@@ -86,6 +97,10 @@ def value_and_grad(
                 "inside the step from the step's own opt_state: "
                 "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
             )
+
+        # The output gradients' meta leaves, at the part of the scale the backward pass carries.
+        numbers = argnums if using is None else 0
+        args, lift = _lowering(fun, has_aux, scale, meta_leaves, numbers, args, kwargs)
 
         def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
@@ -119,7 +134,7 @@ def value_and_grad(
 
         (_, (value, aux, rest)), grads = transform(scaled, **options)(*args, **kwargs)
         if rest is not None:
-            grads = jax.tree.map(functools.partial(_times, rest), grads)
+            grads = _restored(meta_leaves, grads, rest, lift)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_scaled_grad
@@ -142,6 +157,109 @@ def _times(rest: jax.Array, leaf: Any) -> Any:
         wide = jnp.promote_types(leaf.dtype, jnp.float32)
         return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
     return leaf
+
+
+def _lowering(
+    fun: Callable[..., Any],
+    has_aux: bool,
+    scale: jax.Array,
+    meta_leaves: MetaLeaves,
+    argnums: int | Sequence[int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], jax.Array | None]:
+    """`args` with the differentiated arguments' output-gradient meta leaves divided by the
+    power of two `lift` in the rest of the scale, and `lift`; or `args` as they are and None
+    where there is nothing to divide (or argnums is wrong: jax's own error follows)."""
+    numbers = [argnums] if isinstance(argnums, int) else argnums
+    if not isinstance(numbers, Sequence) or not all(
+        isinstance(number, int) and -len(args) <= number < len(args) for number in numbers
+    ):
+        return args, None
+    positions = [number % len(args) for number in numbers]
+    differentiated = [args[position] for position in positions]
+    # The differentiated arguments as the gradients come: one tree, or a tuple of them.
+    tree = differentiated[0] if isinstance(argnums, int) else tuple(differentiated)
+    lift = _lift(fun, has_aux, scale, meta_leaves, tree, args, kwargs)
+    if lift is None:
+        return args, None
+    lowered = _lowered(meta_leaves, tree, lift)
+    lowered_args = list(args)
+    for position, argument in zip(
+        positions, [lowered] if isinstance(argnums, int) else lowered, strict=True
+    ):
+        lowered_args[position] = argument
+    return tuple(lowered_args), lift
+
+
+def _lift(
+    fun: Callable[..., Any],
+    has_aux: bool,
+    scale: jax.Array,
+    meta_leaves: MetaLeaves,
+    tree: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> jax.Array | None:
+    """The power of two in the rest of the scale, where the differentiated arguments hold
+    output-gradient meta leaves and the loss (found by tracing `fun`, not running it) is
+    narrower than float32; else None."""
+    _, follows = meta_leaves.following(tree, "gradients", "value_and_grad")
+    if not any(follows):
+        return None
+    output = jax.eval_shape(lambda: fun(*args, **kwargs))
+    value = output[0] if has_aux and isinstance(output, list | tuple) else output
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or is_at_least_float32(dtype):
+        return None
+    _, rest = _split(scale, dtype)
+    _, exponent = jnp.frexp(rest)
+    return jnp.ldexp(jnp.float32(1.0), exponent - 1)
+
+
+@jax.custom_vjp
+def _divided(leaf: jax.Array, lift: jax.Array) -> jax.Array:
+    """`leaf / lift`, whose cotangent goes through unchanged: a meta leaf's cotangent is its
+    new value, at the scale the layer ran with."""
+    return (leaf.astype(jnp.float32) / lift).astype(leaf.dtype)
+
+
+def _divided_fwd(leaf: jax.Array, lift: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _divided(leaf, lift), lift
+
+
+def _divided_bwd(lift: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return cotangent, jnp.zeros_like(lift)
+
+
+_divided.defvjp(_divided_fwd, _divided_bwd)
+
+
+def _lowered(meta_leaves: MetaLeaves, tree: Any, lift: jax.Array) -> Any:
+    """The differentiated arguments with their output-gradient meta leaves divided by `lift`."""
+    _, follows = meta_leaves.following(tree, "gradients", "value_and_grad")
+    leaves, structure = jax.tree.flatten(tree)
+    lowered = [
+        _divided(leaf, lift) if flag and jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+        for leaf, flag in zip(leaves, follows, strict=True)
+    ]
+    return jax.tree.unflatten(structure, lowered)
+
+
+def _restored(meta_leaves: MetaLeaves, grads: Any, rest: jax.Array, lift: jax.Array | None) -> Any:
+    """The gradients times `rest`; the meta leaves as the layers gave them, the output
+    gradients' times `lift` (saturating) where they ran divided by it."""
+    flags, follows = meta_leaves.following(grads, "gradients", "value_and_grad")
+    leaves, structure = jax.tree.flatten(grads)
+    restored = []
+    for leaf, flag, follow in zip(leaves, flags, follows, strict=True):
+        if follow and lift is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
+            restored.append(times_saturating(leaf, lift))
+        elif not flag:
+            restored.append(_times(rest, leaf))
+        else:
+            restored.append(leaf)
+    return jax.tree.unflatten(structure, restored)
 
 
 def _staged() -> bool:

@@ -251,6 +251,64 @@ def test_check_not_stuck_raises_naming_the_scale_the_counts_and_the_leaves():
     assert str(excinfo.value) == _STUCK_FIVE + _ADVICE
 
 
+_FP8_ADVICE = (
+    "; the gradients hold fp8 meta state ('_overwrite_with_gradient'): flax's "
+    "Fp8DirectDotGeneralOp with dtype=float16 overflows float16 in its matmuls once its scales "
+    "are set, at every loss scale; give those layers dtype=jnp.bfloat16 or jnp.float32"
+)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_check_not_stuck_names_the_float16_fp8_layer_that_overflows():
+    from flax import linen as nn
+    from flax.linen import fp8_ops
+
+    class MLP(nn.Module):
+        dtype: object
+
+        @nn.compact
+        def __call__(self, x):
+            dot = fp8_ops.Fp8DirectDotGeneralOp
+            x = nn.Dense(16, dtype=self.dtype, dot_general_cls=dot)(x)
+            return nn.Dense(1, dtype=self.dtype, dot_general_cls=dot)(nn.relu(x))
+
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = jnp.sum(x, axis=1, keepdims=True)
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(2.0**4))
+
+    def run(dtype):
+        model = MLP(dtype)
+
+        def loss(variables):
+            return jnp.mean((model.apply(variables, x).astype(jnp.float32) - y) ** 2)
+
+        @jax.jit
+        def step(variables, opt_state):
+            _, grads = jls.value_and_grad(loss, opt_state)(variables)
+            updates, opt_state = tx.update(grads, opt_state, variables)
+            return optax.apply_updates(variables, updates), opt_state, jls.count_non_finite(grads)
+
+        variables = model.init(jax.random.key(0), x)
+        opt_state = tx.init(variables)
+        for _ in range(8):
+            variables, opt_state, counts = step(variables, opt_state)
+        return opt_state, counts
+
+    # float16: the loss stays finite, every step after the first is skipped, down to a scale of 1.
+    opt_state, counts = run(jnp.float16)
+    assert int(jls.get_loss_scale_stats(opt_state).consecutive_skipped_steps) == 7
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 7, non_finite_counts=counts)
+    assert str(excinfo.value).endswith(_ADVICE + _FP8_ADVICE)
+    assert "at a loss scale of 1.0" in str(excinfo.value)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 7)  # no counts: nothing says the tree holds fp8 state
+    assert str(excinfo.value).endswith(_ADVICE)
+    # bfloat16, as the message advises: no step skipped.
+    opt_state, _ = run(jnp.bfloat16)
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 0
+
+
 def test_check_not_stuck_warns_and_goes_on_when_asked():
     opt_state, counts = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
     with pytest.warns(RuntimeWarning, match="^loss_scaled is stuck: 5 steps in a row") as record:

@@ -101,6 +101,18 @@ WHOLE_TREE_STEP = _whole_tree_step(TX)
 TRAIN_STATE_STEP = _train_state_step(TX)
 
 
+def _followed(tree, factor):
+    """`tree` with the output gradients' meta leaves times `factor`, as a change of the scale
+    leaves them."""
+
+    def follow(path, leaf):
+        if path[-1].key in ("output_grad_amax_history", "output_grad_scale"):
+            return (leaf * np.float32(factor)).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(follow, tree)
+
+
 def _no_inf(tree):
     return all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
 
@@ -170,7 +182,9 @@ def test_whole_tree_skip_keeps_every_bit_and_backs_off():
     variables, opt_state = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), X, Y)
     before = jax.tree.map(np.asarray, variables)
     variables, opt_state = WHOLE_TREE_STEP(variables, opt_state, X_INF, Y)
-    assert_bits_equal(variables, before)
+    # Kept bit for bit, but the output gradients' meta, which follow the back-off.
+    assert_bits_equal(variables, _followed(before, 0.5))
+    assert float(_layer(variables)["output_grad_scale"][0]) == 0.5
     stats = jls.get_loss_scale_stats(opt_state)
     assert (float(stats.loss_scale), int(stats.inf_skipped_steps)) == (SCALE / 2, 1)
     assert float(stats.grad_norm) < 1.0  # the gradients themselves were finite
@@ -269,11 +283,17 @@ def test_bad_fp8_meta_arguments():
     tx = jls.loss_scaled(
         optax.sgd(0.1), jls.DynamicLossScale(), fp8_meta=lambda path, leaf: jnp.array(True)
     )
-    with pytest.raises(TypeError, match=r"fp8_meta predicate returned .* must return a Python"):
+    with pytest.raises(
+        TypeError, match=r"^loss_scaled\.init: the fp8_meta predicate returned .* a Python"
+    ):
         tx.init(SMALL)
     tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), fp8_meta={"a": True})
-    with pytest.raises(ValueError, match="fp8_meta mask has the structure"):
+    with pytest.raises(ValueError, match=r"^loss_scaled\.init: the fp8_meta mask has the"):
         tx.init(SMALL)
+    with pytest.raises(ValueError, match=r"^loss_scaled\.update: the fp8_meta mask has the"):
+        tx.update(SMALL, tx.init({"a": jnp.ones(1)}), SMALL)
+    with pytest.raises(TypeError, match=r"value_and_grad\(fp8_meta=3\): fp8_meta must be None"):
+        jls.value_and_grad(lambda p: p, jnp.float32(1.0), fp8_meta=3)
     tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale())
     with pytest.raises(ValueError, match=r"hold fp8 meta leaves.*pass params"):
         tx.update(SMALL, tx.init(SMALL))
@@ -331,7 +351,8 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     bad = X_INF.reshape(n, -1, 8)[::-1], shards[1][::-1]
     kept, opt_states = step(initial_variables(), tx.init(initial_variables()), *bad)
     for k in range(n):
-        assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], kept), initial_variables())
+        kept_k = jax.tree.map(lambda leaf, k=k: leaf[k], kept)
+        assert_bits_equal(kept_k, _followed(initial_variables(), 0.5))
     np.testing.assert_array_equal(jls.get_loss_scale_stats(opt_states).loss_scale, [SCALE / 2] * n)
 
 
@@ -380,3 +401,315 @@ def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
     _, plain_grads = jls.value_and_grad(_loss, plain_state)(plain, X, Y)
     np.testing.assert_allclose(_saturation(grads), [1.0417507, 0.9851083], rtol=1e-5)
     np.testing.assert_allclose(_saturation(plain_grads), [1.458451, 1.9702165], rtol=1e-5)
+
+
+def _meta_leaves(tree):
+    """The meta leaves of `tree`, by name, and whether each holds output-gradient amaxes."""
+    named = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree[OWG])[0]:
+        named[jax.tree_util.keystr(path)] = (leaf, path[-1].key.startswith("output_grad"))
+    return named
+
+
+@functools.cache
+def _meta_grad(loss_dtype):
+    """The gradients from `jls.value_and_grad` of the loss in `loss_dtype`, at a given scale."""
+
+    def loss(variables):
+        return _loss(variables, X, Y).astype(loss_dtype)
+
+    return jax.jit(lambda variables, scale: jls.value_and_grad(loss, scale)(variables)[1])
+
+
+@functools.cache
+def _flax_variables():
+    """The variables after two steps that set the meta state as flax sets it."""
+    variables = initial_variables()
+    for x in (X, 2 * X):
+        new = jax.grad(_loss)(variables, x, Y)[OWG]
+        variables = {"params": variables["params"], OWG: new}
+    return variables
+
+
+@pytest.mark.parametrize("loss_dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("scale", [2.0**16, 2.0**17, 1000.0])
+def test_value_and_grad_gives_the_meta_values_as_flax_computes_them(loss_dtype, scale):
+    # Before: a float16 or bfloat16 loss multiplied them by the rest of the scale (at 2**16,
+    # kernel_scale 2.0 where flax computes 1.0; at 1000, 1.953).
+    variables = _flax_variables()
+    got = _meta_leaves(_meta_grad(loss_dtype)(variables, jnp.float32(scale)))
+    # The forward side, whatever the scale and the loss dtype: flax's own gradient, bit for bit.
+    flax_meta = _meta_leaves(jax.grad(_loss)(variables, X, Y))
+    # The output gradients' side: flax's value for the part of the scale the backward pass
+    # carries (a float16 loss carries at most 2**15: at 2**16 and 2**17 the layers run with
+    # those leaves halved, quartered, and they come back doubled, quadrupled).
+    is_half = loss_dtype != jnp.float32
+    carried = min(scale, 2.0**15) if loss_dtype == jnp.float16 else scale
+    carried = 2.0 ** np.floor(np.log2(carried)) if is_half else carried
+    lift = 2.0 ** np.floor(np.log2(scale / carried)) if is_half else 1.0
+    lowered = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf / lift if path[-1].key.startswith("output_grad") else leaf,
+        variables,
+    )
+
+    def carried_loss(variables):
+        return _loss(variables, X, Y).astype(loss_dtype).astype(jnp.float32) * carried
+
+    flax_carried = _meta_leaves(jax.grad(carried_loss)(lowered))
+    assert got.keys() == flax_meta.keys()
+    assert len(got) == 12
+    for name, (leaf, output_side) in got.items():
+        expected = flax_carried[name][0] * lift if output_side else flax_meta[name][0]
+        assert_bits_equal(leaf, expected)
+    kernel_scale = got["['Dense_0']['Fp8DotGeneralOp_0']['kernel_scale']"][0]
+    assert float(kernel_scale[0]) == np.float32(KERNEL_AMAX / 448)
+
+
+@functools.cache
+def _three_routes(loss_dtype, loss_scale):
+    """One jitted step of each route at a learning rate of 0: the TrainState route, the
+    whole-tree route and the exact route, from the same variables."""
+    tx = jls.loss_scaled(optax.sgd(0.0), loss_scale)
+    state = train_state.TrainState.create(apply_fn=MODEL.apply, params=initial_variables(), tx=tx)
+
+    def loss(variables, x):
+        return _loss(variables, x, Y).astype(loss_dtype)
+
+    @jax.jit
+    def steps(state, whole, whole_state, exact, exact_state, x):
+        _, grads = jls.value_and_grad(loss, state.opt_state)(state.params, x)
+        state = state.apply_gradients(grads=grads)
+        _, grads = jls.value_and_grad(loss, whole_state)(whole, x)
+        updates, whole_state = tx.update(grads, whole_state, whole)
+        whole = optax.apply_updates(whole, updates)
+        _, grads = jls.value_and_grad(loss, exact_state)(exact, x)
+        updates, exact_state = tx.update(grads, exact_state, exact)
+        exact = {
+            "params": exact["params"],
+            OWG: jls.where_applied(exact_state, grads[OWG], exact[OWG]),
+        }
+        return state, whole, whole_state, exact, exact_state
+
+    return tx, state, steps
+
+
+@pytest.mark.parametrize(
+    ("loss_dtype", "loss_scale"),
+    [
+        (jnp.float16, jls.DynamicLossScale(2.0**16)),
+        (jnp.bfloat16, jls.FixedLossScale(1000.0)),
+    ],
+    ids=["float16-2**16", "bfloat16-fixed-1000"],
+)
+def test_every_route_keeps_flax_s_meta_values_over_steps(loss_dtype, loss_scale):
+    # Before: a float16 loss at 2**16 doubled the amax histories every step (3.3e12 by step 40)
+    # and every step was skipped from step 71.
+    tx, state, steps = _three_routes(loss_dtype, loss_scale)
+    whole = exact = initial_variables()
+    whole_state = exact_state = tx.init(initial_variables())
+    flax_variables = initial_variables()
+    for k in range(4):
+        x = X * (1.0 + k)
+        state, whole, whole_state, exact, exact_state = steps(
+            state, whole, whole_state, exact, exact_state, x
+        )
+        flax_variables = {
+            "params": flax_variables["params"],
+            OWG: jax.grad(_loss)(flax_variables, x, Y)[OWG],
+        }
+    expected = _meta_leaves(flax_variables)
+    for route in (state.params, whole, exact):
+        for name, (leaf, output_side) in _meta_leaves(route).items():
+            if not output_side:  # the forward side: bit for bit, on every route
+                assert_bits_equal(leaf, expected[name][0])
+    assert_bits_equal(state.params[OWG], exact[OWG])  # the output gradients' side too
+    for name, (leaf, _) in _meta_leaves(whole).items():  # float32 leaves: within one rounding
+        np.testing.assert_allclose(leaf, _meta_leaves(exact)[name][0], rtol=2**-23, atol=0)
+    assert int(jls.get_loss_scale_stats(whole_state).skipped_steps) == 0
+    layer = _layer(exact)
+    np.testing.assert_array_equal(
+        np.asarray(layer["input_amax_history"])[[0, -3, -2, -1]],
+        np.float32(INPUT_AMAX) * np.array([4, 1, 2, 3], np.float32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_whole_tree_updates_set_half_precision_meta_exactly(dtype):
+    # Before: bfloat16 kernel_scale 1.0 -> 0.00174 was stored as 0; float16 as 0.00195.
+    old = np.array([1.0, 1.0, 0.0, 3.0, 0.0078125, 4.0, 2.0**-10], np.float32)
+    new = np.array([0.00174, 0.0067787, 0.5, 0.0, 300.0, 0.0041, 5.0], np.float32)
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(SCALE))
+    params = {"params": {"w": jnp.ones(2)}, OWG: {"scale": jnp.asarray(old, dtype)}}
+    grads = {"params": {"w": jnp.full(2, SCALE)}, OWG: {"scale": jnp.asarray(new, dtype)}}
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    got = optax.apply_updates(params, updates)[OWG]["scale"]
+    if dtype == jnp.float32:  # one float32 addition cannot give 0.00174 from 1.0
+        assert float(got[0]) != np.float32(0.00174)
+        assert np.all(np.abs(got - new) <= np.spacing(np.maximum(old, new)))
+    else:
+        assert_bits_equal(got, grads[OWG]["scale"])
+    # Any two within 2**13 (float16) or 2**16 (bfloat16) of each other: exact.
+    rng = np.random.default_rng(0)
+    reach, spread = (1, 12.9) if dtype == jnp.float16 else (40, 15.9)
+    old = (2.0 ** rng.uniform(-reach, reach, 4000) * rng.choice([-1, 1], 4000)).astype(dtype)
+    new = (old.astype(np.float32) * 2.0 ** rng.uniform(-spread, spread, 4000)).astype(dtype)
+    if dtype != jnp.float32:
+        params = {"params": {"w": jnp.ones(2)}, OWG: {"scale": jnp.asarray(old)}}
+        grads = {"params": {"w": jnp.full(2, SCALE)}, OWG: {"scale": jnp.asarray(new)}}
+        updates, _ = tx.update(grads, tx.init(params), params)
+        assert_bits_equal(optax.apply_updates(params, updates)[OWG]["scale"], grads[OWG]["scale"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_output_gradient_meta_saturates_instead_of_overflowing_on_a_growth(dtype):
+    # Before: 40960 * 2 was stored as inf in a float16 history; every step after was skipped.
+    name = "output_grad_amax_history"
+    tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(4.0, increment_period=1))
+    big = float(jnp.finfo(dtype).max) / 1.6
+    params = {"params": {"w": jnp.ones(2)}, OWG: {name: jnp.zeros(3, dtype)}}
+    grads = {"params": {"w": jnp.ones(2)}, OWG: {name: jnp.array([big, 1.0, 0.0], dtype)}}
+    step = jax.jit(tx.update)
+    updates, opt_state = step(grads, tx.init(params), params)
+    assert float(jls.get_loss_scale(opt_state)) == 8.0  # it grew
+    params = optax.apply_updates(params, updates)
+    largest = jnp.finfo(dtype).max
+    assert_bits_equal(params[OWG][name], jnp.array([largest, 2.0, 0.0], dtype))
+    updates, opt_state = step(grads, opt_state, params)
+    assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
+    assert float(jls.get_loss_scale(opt_state)) == 16.0
+
+
+class TinyMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
+        return nn.Dense(1, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(nn.relu(x))
+
+
+@functools.cache
+def _long_run(steps, loss_dtype, initial_scale):
+    """The whole-tree and exact routes side by side over `steps` steps of one `lax.scan`: the
+    scale grows every 20 clean steps and backs off at an inf pixel every 25th step."""
+
+    def _tiny_loss(variables, x, y):
+        return jnp.mean((TinyMLP().apply(variables, x) - y) ** 2).astype(loss_dtype)
+
+    scale = jls.DynamicLossScale(initial_scale, increment_period=20)
+    tx = jls.loss_scaled(optax.adam(3e-3), scale)
+    x0 = jax.random.normal(jax.random.key(3), (16, 4))
+    variables = TinyMLP().init(jax.random.key(0), x0)
+    w_true = jnp.array([[1.0], [-2.0], [0.5], [1.5]])
+
+    def body(carry, k):
+        whole, whole_state, exact, exact_state = carry
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(4), k), (16, 4))
+        y = x @ w_true
+        x = jnp.where(k % 25 == 24, x.at[0, 0].set(jnp.inf), x)
+        scale = jls.get_loss_scale(whole_state)
+        loss_w, grads = jls.value_and_grad(_tiny_loss, whole_state)(whole, x, y)
+        newest = grads[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"][0]
+        updates, whole_state = tx.update(grads, whole_state, whole)
+        whole = optax.apply_updates(whole, updates)
+        loss_e, grads = jls.value_and_grad(_tiny_loss, exact_state)(exact, x, y)
+        updates, exact_state = tx.update(grads, exact_state, exact)
+        exact = {
+            "params": optax.apply_updates(exact["params"], updates["params"]),
+            OWG: jls.where_applied(exact_state, grads[OWG], exact[OWG]),
+        }
+        applied = [
+            jls.get_loss_scale_stats(s).last_step_applied for s in (whole_state, exact_state)
+        ]
+        return (whole, whole_state, exact, exact_state), (*applied, loss_w, loss_e, newest / scale)
+
+    carry = (variables, tx.init(variables), variables, tx.init(variables))
+    return jax.jit(lambda carry: jax.lax.scan(body, carry, jnp.arange(steps)))(carry)
+
+
+@pytest.mark.parametrize(
+    ("loss_dtype", "initial_scale"),
+    [(jnp.float32, 2.0**10), (jnp.float16, 2.0**15)],
+    ids=["float32", "float16-loss-across-2**15"],
+)
+def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
+    loss_dtype, initial_scale
+):
+    # Before: each back-off-then-growth cycle doubled the stored history's overestimate
+    # (3.8e13 by step 1,000), clean gradients became 0.0, the loss fell behind the exact route.
+    # A float16 loss carries at most 2**15 through the backward pass, the rest of the scale
+    # multiplying the gradients; the histories follow the whole scale all the same.
+    (whole, whole_state, _, exact_state), outputs = _long_run(400, loss_dtype, initial_scale)
+    applied_whole, applied_exact, loss_whole, loss_exact, unscaled = map(np.asarray, outputs)
+    assert int(applied_whole.sum()) == int(applied_exact.sum()) == 384  # 16 inf pixels
+    assert not np.any(applied_exact & ~applied_whole)
+    scale = float(jls.get_loss_scale(whole_state))
+    assert scale == float(jls.get_loss_scale(exact_state))
+    # The stored history is every applied step's amax at the current scale: the
+    # newest first, then, from the end backwards, the ones before it (flax's roll).
+    amaxes = unscaled[applied_whole] * np.float32(scale)
+    history = np.asarray(
+        whole[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"]
+    )
+    expected = np.zeros(1024, np.float32)
+    expected[0] = amaxes[-1]
+    expected[-len(amaxes) + 1 :] = amaxes[:-1]
+    # (Within a few float32 roundings: the whole-tree route adds new - old.)
+    np.testing.assert_allclose(history, expected, rtol=1e-6, atol=0)
+    late_whole, late_exact = loss_whole[-50:].mean(), loss_exact[-50:].mean()
+    assert abs(late_whole - late_exact) <= 0.1 * late_exact, (late_whole, late_exact)
+
+
+def _shard_map_step(check_vma):
+    """A data-parallel step under `shard_map` over every device, as docs/distributed.md has it."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
+
+    def step(variables, opt_state, x, y):
+        def loss(variables):
+            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / X.shape[0]
+
+        _, grads = jls.value_and_grad(loss, opt_state)(variables)
+        grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
+        updates, opt_state = tx.update(grads, opt_state, variables)
+        return optax.apply_updates(variables, updates), opt_state
+
+    replicated, batch = PartitionSpec(), PartitionSpec("data")
+    mapped = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(replicated, replicated, batch, batch),
+        out_specs=(replicated, replicated),
+        check_vma=check_vma,
+    )
+    return jax.jit(mapped), tx
+
+
+def test_shard_map_needs_check_vma_false_for_flax_fp8_layers():
+    # flax's fp8 custom VJP gives the meta leaves' cotangents without the device axis in their
+    # type; shard_map's default check refuses them (docs/distributed.md says so).
+    step, tx = _shard_map_step(check_vma=True)
+    with pytest.raises(Exception, match="manual axis types do not match"):
+        step(initial_variables(), tx.init(initial_variables()), X, Y)
+    step, tx = _shard_map_step(check_vma=False)
+    got, _ = step(initial_variables(), tx.init(initial_variables()), X, Y)
+    expected, _ = _single_device_reference(X, Y)
+    chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
+    assert float(_layer(got)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
+    # One device's inf pixel: the step is skipped on every device.
+    kept, opt_state = step(initial_variables(), tx.init(initial_variables()), X_INF[::-1], Y[::-1])
+    assert_bits_equal(kept, _followed(initial_variables(), 0.5))
+    assert float(jls.get_loss_scale(opt_state)) == SCALE / 2
+
+
+def test_optax_multisteps_outside_sets_the_meta_to_the_mean_of_the_microbatches():
+    # The trap docs/integrations.md names: MultiSteps averages the meta leaves' updates as it
+    # averages gradients, so each meta leaf ends the window at the mean of the microbatches'
+    # values (an amax of 4.555 = mean(3.037, 6.074), below the largest); inside, each is kept.
+    tx = optax.MultiSteps(_tx(), 2)
+    step = _whole_tree_step(tx)
+    variables, opt_state = initial_variables(), tx.init(initial_variables())
+    for x in [X, 2 * X]:
+        variables, opt_state = step(variables, opt_state, x, Y)
+    got = float(_layer(variables)["input_amax_history"][0])
+    a = np.float32(INPUT_AMAX)
+    np.testing.assert_allclose(got, (a + 2 * a) / 2, rtol=1e-6)
+    np.testing.assert_allclose(got, 4.555290, rtol=1e-6)

@@ -991,3 +991,79 @@ def test_built_once_from_an_nnx_optimizer_follows_its_scale_in_an_eager_loop():
         optimizer.update(model, grads)
     assert float(jls.get_loss_scale(optimizer)) == 2.0**14
     assert_bits_equal(model.kernel[...], jnp.full((2, 1), -1.0, F32))
+
+
+# --- fp8 meta leaves ---------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _meta_layer(x, scale, history):
+    """A toy fp8 layer as flax writes one: identity on `x`; the cotangents of its meta leaves
+    are their new values, the kernel's scale a constant, the output gradient's history rolled
+    with the newest amax of the cotangent first."""
+    return x
+
+
+def _meta_layer_fwd(x, scale, history):
+    return x, history
+
+
+def _meta_layer_bwd(history, g):
+    new_history = jnp.roll(history, -1).at[0].set(jnp.max(jnp.abs(g)).astype(history.dtype))
+    return g, jnp.float32(0.375), new_history
+
+
+_meta_layer.defvjp(_meta_layer_fwd, _meta_layer_bwd)
+
+_META_PARAMS = {
+    "params": {"w": jnp.array([1.0, -2.0])},
+    "meta": {
+        "kernel_scale": jnp.float32(1.0),
+        "output_grad_amax_history": jnp.array([0.0, 8.0, 24.0], jnp.float32),
+    },
+}
+
+
+def _meta_loss(dtype):
+    def loss(p):
+        out = _meta_layer(
+            p["params"]["w"], p["meta"]["kernel_scale"], p["meta"]["output_grad_amax_history"]
+        )
+        return (jnp.sum(out * jnp.array([0.5, 3.0]))).astype(dtype)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "fp8_meta",
+    [
+        {"params": False, "meta": True},
+        lambda path, leaf: path[0].key == "meta",
+    ],
+    ids=["mask", "predicate"],
+)
+@pytest.mark.parametrize(
+    ("dtype", "scale", "newest"),
+    [
+        (jnp.float32, 2.0**17, 3.0 * 2**17),  # no split: the cotangent is 3 * 2**17
+        (jnp.float16, 2.0**17, 3.0 * 2**17),  # 2**15 carried, the history run at a quarter
+        (jnp.float16, 1000.0, 3.0 * 512),  # 512 carried, the rest (1.95) is no power of two
+        (jnp.bfloat16, 1000.0, 3.0 * 512),
+    ],
+)
+def test_meta_leaves_come_back_as_the_layer_gives_them(fp8_meta, dtype, scale, newest):
+    # Before: a float16 or bfloat16 loss multiplied them by the rest of the scale.
+    grad = jax.jit(lambda p, s: jls.value_and_grad(_meta_loss(dtype), s, fp8_meta=fp8_meta)(p)[1])
+    grads = grad(_META_PARAMS, jnp.float32(scale))
+    expected_w = jnp.array([0.5, 3.0]) * np.float32(scale)
+    np.testing.assert_allclose(grads["params"]["w"], expected_w, rtol=2**-10)
+    assert_bits_equal(grads["meta"]["kernel_scale"], jnp.float32(0.375))
+    assert_bits_equal(
+        grads["meta"]["output_grad_amax_history"], jnp.array([newest, 24.0, 0.0], jnp.float32)
+    )
+    # Not named as meta state, the leaves are gradients: multiplied by the rest.
+    if dtype == jnp.float16 and scale == 2.0**17:
+        plain = jax.jit(lambda p, s: jls.value_and_grad(_meta_loss(dtype), s)(p)[1])
+        got = plain(_META_PARAMS, jnp.float32(scale))["meta"]
+        assert float(got["kernel_scale"]) == 0.375 * 4
+        np.testing.assert_array_equal(got["output_grad_amax_history"], [newest, 96.0, 0.0])
