@@ -74,8 +74,10 @@ def loss_scaled(
         `"_overwrite_with_gradient"` (flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`), a
         predicate `(path, leaf) -> bool`, or a pytree of bools, a prefix of the
         gradients' structure. Those leaves are never unscaled nor given to `inner`,
-        nor counted in `grad_norm`; their updates are `new - old` on an applied step,
-        -0.0 on a skipped one, and a non-finite new value skips the step
+        nor counted in `grad_norm`; their updates set them to their new values on an
+        applied step and are -0.0 on a skipped one, except the output gradients'
+        histories and scales, which follow every change of the scale; a non-finite new
+        value skips the step
         ([fp8 layers](integrations.md#fp8-layers-scales-and-amax-histories)).
 
     Returns:
