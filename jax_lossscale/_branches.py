@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from jax_lossscale._checks import path_name
+from jax_lossscale._numerics import on_gpu
 from jax_lossscale._types import PyTree
 
 
@@ -52,14 +53,20 @@ def apply_or_skip(
             _as_types(inner_state, inner_state_type),
         )
 
-    if select and isinstance(apply, jax.core.Tracer):
+    if not isinstance(apply, jax.core.Tracer):
+        return applied() if apply else skipped()
+    if select:
         return _selected(apply, inner_update, inner_state)
-    if isinstance(apply, jax.core.Tracer):
-        return cast(
-            tuple[optax.Updates, optax.OptState],
-            jax.lax.cond(apply, applied, skipped),
-        )
-    return applied() if apply else skipped()
+
+    def by_cond() -> tuple[optax.Updates, optax.OptState]:
+        return cast(tuple[optax.Updates, optax.OptState], jax.lax.cond(apply, applied, skipped))
+
+    def by_select() -> tuple[optax.Updates, optax.OptState]:
+        return _selected(apply, inner_update, inner_state)
+
+    # On a GPU a `cond` is a conditional thunk: the host reads the predicate and waits for the
+    # device on every step. The selects fuse into the inner update's own kernels there.
+    return cast(tuple[optax.Updates, optax.OptState], on_gpu(by_select, by_cond))
 
 
 def _selected(

@@ -18,7 +18,7 @@ from jax_lossscale._checks import (
 )
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import check_gradients, unscaled_dtype
+from jax_lossscale._numerics import check_gradients, finite_flag, on_gpu, unscaled_dtype
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -142,12 +142,22 @@ def loss_scaled(
         # gradients' at any scale, no unscaled copy is made (docs/design.md says why only
         # there), and the flag goes to `adjust`. Otherwise the loss scale's `update` gets
         # the unscaled gradients, whose sums for the norm are the check's own (XLA makes
-        # them once).
-        select = skips_by_select(state.inner_state, scaled_grads)
-        if select and loss_scale.reads_only_finiteness:
+        # them once). On a GPU every skip is made by selects (`apply_or_skip`), so there the
+        # first form is taken wherever the loss scale reads only finiteness.
+        def check_scaled() -> tuple[Any, jax.Array]:
             check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
+            return check, check.finite
+
+        def check_unscaled() -> tuple[Any, jax.Array]:
+            grads = loss_scale._unscale_checked(state.loss_scale_state, scale, scaled_grads)
+            finite = finite_flag(meta.with_values(grads), axis_name)  # as `update` reads it
+            return meta.joined(check_gradients(grads, axis_name)), finite
+
+        select = skips_by_select(state.inner_state, scaled_grads)
+        if loss_scale.reads_only_finiteness:
+            check, finite = check_scaled() if select else on_gpu(check_scaled, check_unscaled)
             loss_scale_state, scale_applies = loss_scale._adjust_checked(
-                state.loss_scale_state, check.finite
+                state.loss_scale_state, finite
             )
             check_should_apply(loss_scale, scale_applies, "loss_scaled", method="adjust")
         else:
@@ -172,8 +182,8 @@ def loss_scaled(
         # The applied branch unscales on its own, fused into the inner update (docs/design.md).
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
             with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                barrier_state, barrier_scale = jax.lax.optimization_barrier(
-                    (state.loss_scale_state, scale)
+                barrier_state, barrier_scale = on_gpu(  # (a GPU shares the check's reciprocal)
+                    lambda x: x, jax.lax.optimization_barrier, (state.loss_scale_state, scale)
                 )
                 grads = loss_scale._unscale_checked(barrier_state, barrier_scale, scaled_grads)
                 grads = _widened(grads, scaled_grads, params)
