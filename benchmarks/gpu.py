@@ -57,7 +57,7 @@ def add_arguments(parser: Any) -> None:
         "--gpu-sweep", default="-8,4,8,12,15", help="the sweep's loss scales, powers of two"
     )
     parser.add_argument("--gpu-pipeline", type=int, default=20, help="steps per pipelined run")
-    parser.add_argument("--gpu-rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--gpu-rounds", type=int, default=5, help="interleaved timing rounds")
 
 
 def run_gpu(args: Any) -> dict[str, list[dict]]:

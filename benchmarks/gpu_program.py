@@ -159,6 +159,9 @@ def optimizer_steps(size: int, leaves: int, optimizer: str) -> dict[str, GpuProg
     return programs
 
 
+GPT_CONTENDERS = ("bare", "DynamicLossScale", "jmp", "flax", "optax.apply_if_finite")
+
+
 def gpt_steps(size: Any, names: Sequence[str] = ("bare", "DynamicLossScale")) -> dict:
     """The H100 programs of the GPT train steps `names` (`benchmarks/gpt.py`), at `size`."""
     from benchmarks import gpt
@@ -183,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--leaves", type=int, default=64, help="leaves of the optimizer step")
     parser.add_argument("--optimizers", default="adam,sgd")
     parser.add_argument(
-        "--gpt", default="2x128", help="the GPT's layers x width (batch 16 x 256), or none"
+        "--gpt",
+        default="1x64x64x2",
+        help="the GPT's layers x width x sequence x batch (heads of 64 wide), or none",
     )
     parser.add_argument("--json", default=None, help="where to write the figures as JSON")
     args = parser.parse_args(argv)
@@ -195,9 +200,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         ).items():
             results[f"{optimizer} {args.size}/{args.leaves} / {name}"] = _figures(program)
     if args.gpt != "none":
-        layers, width = (int(n) for n in args.gpt.split("x"))
-        size = gpt.Size(layers=layers, width=width, heads=max(width // 64, 1), seq=256)
-        for name, program in gpt_steps(size, list(gpt.all_contenders())).items():
+        layers, width, seq, batch = (int(n) for n in args.gpt.split("x"))
+        size = gpt.Size(layers, width, heads=max(width // 64, 1), seq=seq, batch=batch)
+        for name, program in gpt_steps(size, GPT_CONTENDERS).items():
             results[f"gpt {args.gpt} / {name}"] = _figures(program)
     width = max(len(name) for name in results)
     print(f"{'step':<{width}} | kernels | variadic reduce | conditional | temp bytes")
