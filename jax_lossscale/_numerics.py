@@ -221,10 +221,14 @@ def square_sum(parts: list[jax.Array], factor: jax.Array | None = None) -> jax.A
             sums.append(jnp.sum(rows, axis=1))
     # The rows' sums of all parts are added up as vectors of one length, which the last sum
     # reads in its one kernel; the barrier keeps XLA from joining each part's two sums into one,
-    # which it would split in two again.
+    # which it would split in two again. The last sum gives two halves: its consumers (the
+    # state's scalars) then share a vector, not a scalar, and XLA:GPU merges some of them.
     sums = jax.lax.optimization_barrier(sums)
-    length = max(part_sums.size for part_sums in sums)
-    return jnp.sum(sum(jnp.pad(part_sums, (0, length - part_sums.size)) for part_sums in sums))
+    length = 2 * -(-max(part_sums.size for part_sums in sums) // 2)
+    padded = sum(jnp.pad(part_sums, (0, length - part_sums.size)) for part_sums in sums)
+    halves = jax.lax.optimization_barrier(jnp.sum(jnp.reshape(padded, (2, -1)), axis=1))
+    total: jax.Array = halves[0] + halves[1]
+    return total
 
 
 def _add_and_or(
