@@ -38,6 +38,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
     results: dict[str, Any] = {"machine": _machine(), "command": _command(argv), "cases": {}}
+    if args.gpu:  # the GPU case set, benchmarks/gpu.py
+        from benchmarks import gpu
+
+        for name, rows in gpu.run_gpu(args).items():
+            results["cases"][name] = rows
+            print(_table(name, rows), flush=True)
+        write_results(results, args.json or gpu.DEFAULT_PATH)
+        return results
     for case in args.cases:
         output = CASE_RUNNERS[case](args)
         for name, rows in (output if isinstance(output, dict) else {case: output}).items():
@@ -102,6 +110,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="where to write JSON (default: benchmarks/results/<platform>.json)",
     )
+    from benchmarks import gpu
+
+    gpu.add_arguments(parser)
     args = parser.parse_args(argv)
     args.cases = _split(args.cases, CASES)
     args.optimizers = _split(args.optimizers, tuple(OPTIMIZERS))

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from jax_lossscale._checks import path_name
+from jax_lossscale._numerics import on_gpu
 from jax_lossscale._types import PyTree
 
 
@@ -30,15 +31,17 @@ def apply_or_skip(
     A skip returns updates of -0.0, the additive identity of every float (so that
     `optax.apply_updates` keeps the params' bits, signed zeros included), and the inner
     state as it was. With `select` (see `skips_by_select`) both are chosen by
-    `jnp.where`, otherwise by a `cond`. An `apply` concrete when traced (eagerly) takes
+    `jnp.where`, otherwise by a `cond`, except on a GPU, where a `cond` waits on the host
+    (`on_gpu`): there always by selects. An `apply` concrete when traced (eagerly) takes
     its branch with no `cond`; under `jit` even a FixedLossScale's constant true is a
     tracer, and XLA folds the `cond` on it.
     """
     applied_types: tuple[PyTree, PyTree] | None = None
+    run_inner = inner_update
 
     def applied() -> tuple[optax.Updates, optax.OptState]:
         nonlocal applied_types
-        new_updates, new_inner_state = inner_update()
+        new_updates, new_inner_state = run_inner()
         applied_types = _branch_types(inner_state, new_updates, new_inner_state)
         return new_updates, _as_types(new_inner_state, applied_types[1])
 
@@ -52,14 +55,31 @@ def apply_or_skip(
             _as_types(inner_state, inner_state_type),
         )
 
-    if select and isinstance(apply, jax.core.Tracer):
+    if not isinstance(apply, jax.core.Tracer):
+        return applied() if apply else skipped()
+    if select:
         return _selected(apply, inner_update, inner_state)
-    if isinstance(apply, jax.core.Tracer):
+    # Traced once, for both forms: each replays its equations.
+    closed, shape = jax.make_jaxpr(inner_update, return_shape=True)()
+
+    def replayed() -> tuple[optax.Updates, optax.OptState]:
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts)
         return cast(
             tuple[optax.Updates, optax.OptState],
-            jax.lax.cond(apply, applied, skipped),
+            jax.tree.unflatten(jax.tree.structure(shape), outs),
         )
-    return applied() if apply else skipped()
+
+    run_inner = replayed
+
+    def by_cond() -> tuple[optax.Updates, optax.OptState]:
+        return cast(tuple[optax.Updates, optax.OptState], jax.lax.cond(apply, applied, skipped))
+
+    def by_select() -> tuple[optax.Updates, optax.OptState]:
+        return _selected(apply, replayed, inner_state)
+
+    # On a GPU a `cond` is a conditional thunk: the host reads the predicate and waits for the
+    # device on every step. The selects fuse into the inner update's own kernels there.
+    return cast(tuple[optax.Updates, optax.OptState], on_gpu(by_select, by_cond))
 
 
 def _selected(

@@ -11,7 +11,7 @@ from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import check_gradients, in_unscaled_dtypes, unscaled_gradients
+from jax_lossscale._numerics import check_gradients, in_unscaled_dtypes, on_gpu, unscaled_gradients
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -143,7 +143,9 @@ def loss_scaled(
         def inner_update() -> tuple[optax.Updates, optax.OptState]:
             # Unscaled again inside the update, fused into it (docs/design.md).
             with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                grads = unscaled_gradients(scaled_grads, optimization_barrier(scale), params)
+                # (On a GPU the update shares the check's reciprocal: no barrier there.)
+                scale_read = on_gpu(lambda x: x, optimization_barrier, scale)
+                grads = unscaled_gradients(scaled_grads, scale_read, params)
                 return inner.update(grads, state.inner_state, params, **extra_args)
 
         select = skips_by_select(state.inner_state, scaled_grads)

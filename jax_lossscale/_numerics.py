@@ -156,6 +156,81 @@ def square_sums_and_infs(
     return totals, infs
 
 
+def on_gpu(gpu: Callable[..., Any], other: Callable[..., Any], *args: Any) -> Any:
+    """`gpu(*args)` where the program is lowered for a GPU (CUDA or ROCm), else `other(*args)`.
+
+    Both are traced, once each (`jax.lax.platform_dependent`), and XLA keeps the chosen one
+    alone, so the program of any other platform is the one `other` alone would give. Under
+    `shard_map`, an output that varies over an axis in one form is made to vary in both.
+    """
+    traced = [jax.make_jaxpr(form, return_shape=True)(*args) for form in (gpu, other)]
+    varying = [
+        _varying_axes_of(a) | _varying_axes_of(b)
+        for a, b in zip(traced[0][0].out_avals, traced[1][0].out_avals, strict=True)
+    ]
+
+    def replay(closed: Any, shape: Any) -> Callable[..., Any]:
+        def form(*args: Any) -> Any:
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+            outs = [_varying_over(out, axes) for out, axes in zip(outs, varying, strict=True)]
+            return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+        return form
+
+    gpu_form, other_form = (replay(closed, shape) for closed, shape in traced)
+    return jax.lax.platform_dependent(*args, cuda=gpu_form, rocm=gpu_form, default=other_form)
+
+
+def _varying_axes_of(aval: Any) -> frozenset[Any]:
+    axis_type = getattr(aval, "manual_axis_type", None)
+    return cast(frozenset[Any], getattr(axis_type, "varying", frozenset()))
+
+
+def _varying_over(value: jax.Array, axes: frozenset[Any]) -> jax.Array:
+    missing = axes - _varying_axes(value)
+    return jax.lax.pcast(value, tuple(missing), to="varying") if missing else value
+
+
+ROW = 512  # entries: the sums of squares on a GPU are first taken over rows of this many
+
+
+def square_sum(parts: list[jax.Array], factor: jax.Array | None = None) -> jax.Array:
+    """The sum of `|x| * |x|` over the entries `x` of all `parts` (each times `factor`, if
+    given), in float32 or wider: the form of the check for a GPU.
+
+    There a variadic reduction is split into two kernels that fuse into nothing, and so is a
+    plain sum over a large part: each part that may not be sharded is summed over rows of
+    `ROW` entries (one kernel), and the rows' sums of all parts over one more. Where the sum
+    is finite, it is the squared L2 norm; NaN exactly when an entry is NaN (the terms are
+    >= 0 or +inf, so no infinity cancels another, and nothing makes a NaN from a value that
+    is not one); +inf for an infinity, and for squares that overflow float32 (an unscaled
+    entry above about 1.8e19, or a squared norm above 3.4e38), which the wrapper's check may
+    count as an overflow (DESIGN 3.1; `all_finite` stays exact).
+    """
+    sums = []
+    for part in parts:
+        wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
+        if factor is not None:
+            wide = wide * factor.astype(wide.dtype)
+        magnitude = jnp.abs(wide)
+        squares = magnitude * magnitude
+        if may_be_sharded(part) or squares.size <= ROW:
+            sums.append(jnp.sum(squares).reshape(1))  # (the partitioner all-reduces a sum)
+        else:
+            rows = jnp.pad(squares.reshape(-1), (0, -squares.size % ROW)).reshape(-1, ROW)
+            sums.append(jnp.sum(rows, axis=1))
+    # The rows' sums of all parts are added up as vectors of one length, which the last sum
+    # reads in its one kernel; the barrier keeps XLA from joining each part's two sums into one,
+    # which it would split in two again. The last sum gives two halves: its consumers (the
+    # state's scalars) then share a vector, not a scalar, and XLA:GPU merges some of them.
+    sums = jax.lax.optimization_barrier(sums)
+    length = 2 * -(-max(part_sums.size for part_sums in sums) // 2)
+    padded = sum(jnp.pad(part_sums, (0, length - part_sums.size)) for part_sums in sums)
+    halves = jax.lax.optimization_barrier(jnp.sum(jnp.reshape(padded, (2, -1)), axis=1))
+    total: jax.Array = halves[0] + halves[1]
+    return total
+
+
 def _add_and_or(
     left: tuple[jax.Array, jax.Array], right: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
@@ -193,24 +268,46 @@ def check_gradients(
     """
     parts = floating_parts(tree)
     factor, correction = (None, None) if divisor is None else reciprocal_factors(divisor)
-    totals, infs = square_sums_and_infs(parts, factor=factor)
-    finite = _finite(totals, infs, axis_name)
-    nans = [jnp.isnan(total) for total in totals]
-    has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
+    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    groups: dict[tuple[Any, ...], list[int]] = {}  # the parts by the axes they vary over
+    for index, part in enumerate(parts):
+        varying = _varying_axes(part)
+        groups.setdefault(tuple(name for name in names if name in varying), []).append(index)
+
+    def per_part(
+        parts: list[jax.Array], factor: jax.Array | None
+    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+        totals, infs = square_sums_and_infs(parts, factor=factor)
+        finite = _finite(totals, infs, None)
+        nans = [jnp.isnan(total) for total in totals]
+        has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
+        # (A Python sum, from 0, as the norm always took it.)
+        sums = [cast(jax.Array, sum(totals[i] for i in group)) for group in groups.values()]
+        return sums, finite, has_nan
+
+    def per_group(
+        parts: list[jax.Array], factor: jax.Array | None
+    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+        sums = [square_sum([parts[i] for i in group], factor) for group in groups.values()]
+        finite = jnp.stack([jnp.isfinite(total) for total in sums]).all()
+        has_nan = jnp.stack([jnp.isnan(total) for total in sums]).any()
+        return sums, finite, has_nan
+
+    if not parts:
+        sums, finite, has_nan = [], jnp.array(True), jnp.array(False)
+    else:
+        sums, finite, has_nan = on_gpu(per_group, per_part, parts, factor)
     if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    if not totals:
+    if not sums:
         return GradientCheck(jnp.zeros([], jnp.float32), finite, has_nan)
     if axis_name is None:
-        norm = jnp.sqrt(sum(totals)).astype(jnp.float32)
+        norm = jnp.sqrt(sums[0]).astype(jnp.float32)
         return GradientCheck(_corrected(norm, correction), finite, has_nan)
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    by_axes: dict[tuple[Any, ...], list[jax.Array]] = {}
-    for part, total in zip(parts, totals, strict=True):
-        varying = _varying_axes(part)
-        by_axes.setdefault(tuple(name for name in names if name in varying), []).append(total)
     combined = [
-        jax.lax.psum(sum(group), axes) if axes else sum(group) for axes, group in by_axes.items()
+        jax.lax.psum(total, axes) if axes else total
+        for axes, total in zip(groups, sums, strict=True)
     ]
     norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
     # A maximum may drop a NaN (XLA's on a CPU does); the flag, combined, restores it.

@@ -22,6 +22,10 @@ from helpers import JIT_MODES, call_in_mode
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+# Where the CUDA plugin is installed (the gpu-compile extra, for tests/test_gpu_program.py), it
+# starts with JAX's backends, and without CUDA libraries it refuses to unless told not to check
+# them; JAX's platform stays the CPU.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
 CACHE_VARIABLE = "JAX_LOSSSCALE_TEST_COMPILATION_CACHE"

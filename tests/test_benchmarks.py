@@ -153,3 +153,40 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
     assert list(steps) == list(bf16_weights.CONTENDERS[1:])
     assert {row["params"] for row in steps.values()} == {8000}
     assert steps["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
+
+
+def test_the_gpu_case_set_runs_every_contender_pipelined_and_per_call(tmp_path, capsys):
+    """`python -m benchmarks --gpu` at a tiny size, on the CPU: the optimizer steps, the GPT
+    step with the constant-scale reference, and the scale sweep, each timed two ways. (The
+    sizes are the runner's test's above, whose compiled programs the run's cache holds.)"""
+    path = tmp_path / "gpu.json"
+    argv = [
+        "--gpu", "--optimizers", "sgd", "--gpu-cells", "4K/4", "--gpu-gpt", "1x32x32x1x2",
+        "--gpu-sweep=-8,15", "--gpu-pipeline", "2", "--gpu-rounds", "1", "--json", str(path),
+    ]  # fmt: skip
+    results = run.main(argv)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    assert list(results["cases"]) == ["gpu_step", "gpu_gpt", "gpu_scale_sweep"]
+    [step] = results["cases"]["gpu_step"]
+    assert (step["optimizer"], step["params"], step["leaves"]) == ("sgd", 4000, 4)
+    assert list(step["values"]) == CONTENDERS
+    [gpt_row] = results["cases"]["gpu_gpt"]
+    assert list(gpt_row["values"]) == [
+        "bare", "DynamicLossScale", "jmp", "flax", "optax.apply_if_finite", "constant scale",
+    ]  # fmt: skip
+    [sweep] = results["cases"]["gpu_scale_sweep"]
+    assert list(sweep["values"]) == ["bare", "constant scale 2**-8", "constant scale 2**15"]
+    for row in (step, gpt_row, sweep):
+        assert row["ratio_to_bare"]["bare"] == row["per_call_ratio_to_bare"]["bare"] == 1.0
+        assert all(value > 0 for value in [*row["values"].values(), *row["per_call"].values()])
+    assert "## gpu_scale_sweep (s, ratio to bare)" in capsys.readouterr().out
+
+
+def test_the_gpu_case_set_writes_gpu_h100_json_by_default():
+    from benchmarks import gpu
+
+    assert gpu.DEFAULT_PATH == "benchmarks/results/gpu-h100.json"
+    args = run._parse(["--gpu"])
+    assert (args.gpu_cells, args.gpu_gpt, args.gpu_sweep) == (
+        "8M/64,128M/192", "6x768x256x16", "-8,4,8,12,15",
+    )  # fmt: skip

@@ -1,0 +1,135 @@
+"""The forms a GPU program takes (`_numerics.on_gpu`), run on the CPU.
+
+On a GPU the check is a plain sum of squares over rows, then over the rows' sums
+(`_numerics.square_sum`), and every skip is made by selects; elsewhere the program is the one
+it was. `jax.lax.platform_dependent` lowers only the form of the platform it lowers for, so
+here the GPU forms are taken by replacing `on_gpu` with a choice of the GPU form: the steps
+below then run on this CPU what an H100 runs (its program: tests/test_gpu_program.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale import _branches, _loss_scaled, _numerics
+
+from helpers import assert_bits_equal, compiled_reductions
+
+
+def _gpu_form(gpu, other, *args):
+    del other
+    return gpu(*args)
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    for module in (_numerics, _branches, _loss_scaled):
+        monkeypatch.setattr(module, "on_gpu", _gpu_form)
+
+
+def test_square_sum_is_the_squared_norm_and_keeps_nan_and_inf():
+    rng = np.random.default_rng(0)
+    large = rng.standard_normal(5000).astype(np.float32)  # 10 rows of 512, the last padded
+    small = np.array([3.0, 4.0], np.float32)
+    total = _numerics.square_sum([jnp.asarray(large), jnp.asarray(small)])
+    expected = np.sum(large.astype(np.float64) ** 2) + 25.0
+    np.testing.assert_allclose(float(total), expected, rtol=1e-6)
+    factor = jnp.float32(0.5)
+    assert float(_numerics.square_sum([jnp.asarray(small)], factor)) == 6.25
+    for values, expected_kind in [
+        ([1.0, np.nan], "nan"),
+        ([np.inf, np.nan], "nan"),  # an infinity never hides a NaN
+        ([-np.inf, 1.0], "inf"),
+        ([2e19, 1.0], "inf"),  # a square that overflows float32: counted as an overflow
+        ([1e19, 0.0], "finite"),  # its square, 1e38, is below 3.4e38
+    ]:
+        leaf = jnp.asarray(np.array(values + [0.0] * 600, np.float32))  # over a row
+        total = float(_numerics.square_sum([leaf, jnp.ones(3)]))
+        kind = "nan" if np.isnan(total) else "inf" if np.isinf(total) else "finite"
+        assert kind == expected_kind, values
+
+
+def test_the_gpu_check_agrees_with_the_exact_one_except_on_an_overflowing_square(on_a_gpu):
+    rng = np.random.default_rng(1)
+    tree = {
+        "w": jnp.asarray(rng.standard_normal((40, 30)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(7), jnp.float16),
+    }
+    scale = jnp.float32(2.0**10)
+    scaled = jax.tree.map(lambda x: x * scale.astype(x.dtype), tree)
+    check = jax.jit(_numerics.check_gradients, static_argnums=1)(scaled, None, scale)
+    exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in tree.values()))
+    np.testing.assert_allclose(float(check.norm), exact, rtol=1e-5)
+    assert bool(check.finite)
+    assert not bool(check.has_nan)
+    for value, finite, has_nan in [(np.nan, False, True), (np.inf, False, False)]:
+        bad = {**tree, "w": tree["w"].at[3, 4].set(value)}
+        check = _numerics.check_gradients(bad, None)
+        assert (bool(check.finite), bool(check.has_nan)) == (finite, has_nan), value
+    # 2e19 is finite: all_finite says so, exactly; the GPU check counts its square's overflow.
+    overflowing = {**tree, "w": tree["w"].at[0, 0].set(2e19)}
+    assert not bool(_numerics.check_gradients(overflowing, None).finite)
+    assert bool(jls.all_finite(overflowing))
+
+
+def _adam_run(grads_per_step):
+    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(initial_loss_scale=2.0**4))
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 1200, dtype=jnp.float32), "b": jnp.zeros(3)}
+    state = tx.init(params)
+    history = []
+    for grads in grads_per_step:
+        params, state, updates = step(params, state, grads)
+        history.append((params, state, updates))
+    return history, step
+
+
+def _adam_grads():
+    grads = {"w": jnp.full(1200, 0.25, jnp.float32) * 2.0**4, "b": jnp.ones(3) * 2.0**4}
+    bad = {"w": grads["w"].at[7].set(jnp.inf), "b": grads["b"].at[1].set(jnp.nan)}
+    return [grads, bad, grads]
+
+
+def test_adam_on_a_gpu_skips_by_selects_bit_for_bit_as_the_cond_does(on_a_gpu):
+    """The GPU form of the adam step: no `conditional` and no variadic reduction in its
+    program, and the same params, inner state, scale and counts, bit for bit, as the CPU's
+    `cond` on a finite, a non-finite (inf and NaN) and a finite step; the skipped step's
+    updates are -0.0."""
+    gpu_history, step = _adam_run(_adam_grads())
+    args = (*jax.tree.map(jnp.asarray, gpu_history[0][:2]), _adam_grads()[0])
+    text = step.lower(*args).compile().as_text()
+    assert "conditional(" not in text
+    assert all(not kind.startswith("(") for kind in compiled_reductions(text))
+    skipped_updates = gpu_history[1][2]
+    assert_bits_equal(
+        skipped_updates, jax.tree.map(lambda x: jnp.full_like(x, -0.0), skipped_updates)
+    )
+    assert_bits_equal(gpu_history[1][0], gpu_history[0][0])  # the params kept
+    assert_bits_equal(gpu_history[1][1].inner_state, gpu_history[0][1].inner_state)
+    assert int(gpu_history[1][1].stats.nan_skipped_steps) == 1
+
+
+def test_adam_on_a_gpu_gives_what_the_cpu_form_gives():
+    """The same steps on the CPU's own form (a `cond`, in its program): the same decisions,
+    scale and counts exactly, and the same params and moments to float32 rounding (the two
+    programs are fused differently)."""
+    cpu_history, step = _adam_run(_adam_grads())
+    args = (*jax.tree.map(jnp.asarray, cpu_history[0][:2]), _adam_grads()[0])
+    assert "conditional(" in step.lower(*args).compile().as_text()
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (_numerics, _branches, _loss_scaled):
+            patch.setattr(module, "on_gpu", _gpu_form)
+        gpu_history, _ = _adam_run(_adam_grads())
+    for cpu, gpu in zip(cpu_history, gpu_history, strict=True):
+        assert_bits_equal(gpu[1].loss_scale_state, cpu[1].loss_scale_state)
+        assert_bits_equal(gpu[1].stats[1:], cpu[1].stats[1:])  # after grad_norm
+        for gpu_leaf, cpu_leaf in zip(jax.tree.leaves(gpu), jax.tree.leaves(cpu), strict=True):
+            np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-6, atol=1e-9)
