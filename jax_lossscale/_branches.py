@@ -154,7 +154,9 @@ def _joined_type(path: Any, old: Any, new: jax.ShapeDtypeStruct) -> jax.ShapeDty
     if old_type.dtype == new.dtype:  # (ShapeDtypeStruct.update has no annotations)
         return cast(jax.ShapeDtypeStruct, new.update(weak_type=False))
     candidates = [new.dtype, old_type.dtype]
-    with contextlib.suppress(jax.dtypes.TypePromotionError):  # as between 8-bit floats
+    # As between 8-bit floats: jax's TypePromotionError, a ValueError (not in jax.dtypes
+    # before jax 0.10.1).
+    with contextlib.suppress(ValueError):
         candidates.append(jnp.promote_types(old_type.dtype, new.dtype))
     candidates.append(jnp.dtype(jnp.float32))
     for dtype in candidates:

@@ -48,5 +48,11 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(params=JIT_MODES)
 def jit_or_eager(request) -> Callable:
-    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`."""
+    """Calls `fn(*args)` wrapped in `jax.jit`, or eagerly under `jax.disable_jit()`.
+
+    Only for code whose path depends on whether values are concrete: `loss_scaled`'s skip
+    (a Python branch instead of a `cond`), checks that refuse a traced value, the form of
+    the finite check read from an array's sharding. Elsewhere the library runs the same
+    operations either way, and a test calls `helpers.jitted` once.
+    """
     return functools.partial(call_in_mode, request.param)

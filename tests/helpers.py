@@ -146,6 +146,12 @@ def call_in_mode(mode: str, fn, *args):
         return fn(*args)
 
 
+def jitted(fn, *args):
+    """`jax.jit(fn)(*args)`: for a test of code that takes the same path eagerly (see
+    `jit_or_eager` in conftest.py for where it does not)."""
+    return jax.jit(fn)(*args)
+
+
 def python_blocks(page: pathlib.Path) -> list[str]:
     """The Python code blocks of a Markdown page, in order."""
     return re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)

@@ -26,6 +26,8 @@ import pytest
 
 import jax_lossscale as jls
 
+from helpers import jitted
+
 NAN, INF = math.nan, math.inf
 F32_MAX_TEXT = "at most the float32 maximum (3.4028234663852886e+38)"
 INT_RANGE_TEXT = "an integer >= 1 and <= 2147483647"
@@ -1239,22 +1241,20 @@ def test_bad_input_is_refused_naming_argument_and_value(case: Case, mode: str):
 NONE_GRADS = {"b": None, "w": jnp.array([8.0, jnp.inf]), "z": (None, jnp.array([16.0]))}
 
 
-def test_none_leaves_are_ignored_by_all_finite_and_count_non_finite(jit_or_eager):
-    finite, counts = jit_or_eager(
-        lambda g: (jls.all_finite(g), jls.count_non_finite(g)), NONE_GRADS
-    )
+def test_none_leaves_are_ignored_by_all_finite_and_count_non_finite():
+    finite, counts = jitted(lambda g: (jls.all_finite(g), jls.count_non_finite(g)), NONE_GRADS)
     assert not bool(finite)
     chex.assert_trees_all_equal(counts, {"b": None, "w": jnp.int32(1), "z": (None, jnp.int32(0))})
     assert jls.non_finite_paths(counts) == {"w": 1}
-    assert bool(jit_or_eager(jls.all_finite, {"b": None, "z": (None,)}))
-    assert bool(jit_or_eager(jls.all_finite, None))
+    assert bool(jitted(jls.all_finite, {"b": None, "z": (None,)}))
+    assert bool(jitted(jls.all_finite, None))
 
 
-def test_none_leaves_pass_through_scale_unscale_and_update(jit_or_eager):
+def test_none_leaves_pass_through_scale_unscale_and_update():
     def run(state, grads):
         return DYN.scale(state, grads), DYN.unscale(state, grads), DYN.update(state, grads)
 
-    scaled, unscaled, (state, should_apply) = jit_or_eager(run, DYN_STATE, NONE_GRADS)
+    scaled, unscaled, (state, should_apply) = jitted(run, DYN_STATE, NONE_GRADS)
     chex.assert_trees_all_equal(
         scaled, {"b": None, "w": jnp.array([64.0, jnp.inf]), "z": (None, jnp.array([128.0]))}
     )
@@ -1266,7 +1266,7 @@ def test_none_leaves_pass_through_scale_unscale_and_update(jit_or_eager):
         state, jls.DynamicLossScaleState(jnp.float32(4.0), jnp.int32(0), jnp.int32(1))
     )
 
-    state, should_apply = jit_or_eager(DYN.update, DYN_STATE, {"b": None})
+    state, should_apply = jitted(DYN.update, DYN_STATE, {"b": None})
     assert bool(should_apply)
     chex.assert_trees_all_equal(state, DYN_STATE._replace(good_steps=jnp.int32(1)))
 

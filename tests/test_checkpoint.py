@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
 
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, jitted
 
 STEPS = 16
 W_SHAPE = (16, 8)
@@ -246,7 +246,7 @@ def test_standard_checkpointer_resume_is_bit_identical(tmp_path, make_tx, save_p
     ],
     ids=["dynamic", "fixed"],
 )
-def test_loss_scale_state_restores_onto_eval_shape_of_init(tmp_path, jit_or_eager, loss_scale):
+def test_loss_scale_state_restores_onto_eval_shape_of_init(tmp_path, loss_scale):
     finite = {"w": jnp.ones(3)}
     overflow = {"w": jnp.array([1.0, jnp.nan, 0.0])}
     state = loss_scale.init()
@@ -269,8 +269,8 @@ def test_loss_scale_state_restores_onto_eval_shape_of_init(tmp_path, jit_or_eage
             strict=True,
         )
     for grads in (overflow, overflow, finite):
-        expected = jit_or_eager(loss_scale.update, state, grads)
-        actual = jit_or_eager(loss_scale.update, restored, grads)
+        expected = jitted(loss_scale.update, state, grads)
+        actual = jitted(loss_scale.update, restored, grads)
         _assert_bitwise_equal(actual, expected)
         state, restored = expected[0], actual[0]
 

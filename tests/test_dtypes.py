@@ -10,6 +10,8 @@ import pytest
 
 import jax_lossscale as jls
 
+from helpers import jitted
+
 F16_MAX = float(np.finfo(np.float16).max)  # 65504
 VALUES = [1.0, -3.5, 0.1, 1e-3, 6e-5, 255.0, 60000.0, 0.0, -0.0]
 HALF_AND_SINGLE = [jnp.float16, jnp.bfloat16, jnp.float32]
@@ -56,27 +58,27 @@ def assert_scale_is_float32(ls: jls.LossScale, state) -> None:
 
 @pytest.mark.parametrize("ls", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_computes_in_float32_and_widens_only_float16(jit_or_eager, ls, dtype):
+def test_unscale_computes_in_float32_and_widens_only_float16(ls, dtype):
     x = np.array(VALUES, np.float32).astype(dtype)
     expected = (x.astype(np.float32) / np.float32(scale_of(ls))).astype(unscaled(dtype))
 
-    out = jit_or_eager(unscale, ls, ls.init(), {"g": x, "s": x[3]})
+    out = jitted(unscale, ls, ls.init(), {"g": x, "s": x[3]})
 
     chex.assert_trees_all_equal(out, {"g": expected, "s": expected[3]}, strict=True)
     assert_scale_is_float32(ls, ls.init())
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=lambda d: jnp.dtype(d).name)
-def test_unscale_by_a_scale_that_is_not_a_power_of_two_is_close(jit_or_eager, dtype):
+def test_unscale_by_a_scale_that_is_not_a_power_of_two_is_close(dtype):
     x = np.array(VALUES, np.float32).astype(dtype)
     expected = (x.astype(np.float32) / np.float32(3.0)).astype(unscaled(dtype))
-    out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(3.0)), x)
+    out = jitted(unscale, *with_state(jls.FixedLossScale(3.0)), x)
     assert out.dtype == unscaled(dtype)
     rtol = float(jnp.finfo(unscaled(dtype)).eps)
     chex.assert_trees_all_close(out, expected, rtol=rtol, atol=0.0)
 
 
-def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale(jit_or_eager):
+def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale():
     ls = jls.DynamicLossScale(2.0**15, increment_period=1)
     # Each of these would be rounded, overflow or underflow on a trip through float32.
     x = np.array([1.0 / 3.0, 1e300, -(2.0**-1000), 7.0], np.float64)
@@ -85,7 +87,7 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
         assert_scale_is_float32(ls, state)
         assert state.good_steps.dtype == jnp.int32
 
-        out = jit_or_eager(ls.unscale, state, {"f64": x, "f32": x[:1].astype(np.float32)})
+        out = jitted(ls.unscale, state, {"f64": x, "f32": x[:1].astype(np.float32)})
         chex.assert_trees_all_equal(
             out,
             {
@@ -95,7 +97,7 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
             strict=True,
         )
 
-        state, should_apply = jit_or_eager(ls.update, state, out)
+        state, should_apply = jitted(ls.update, state, out)
         assert bool(should_apply)
         assert_scale_is_float32(ls, state)
         chex.assert_trees_all_equal_dtypes(state, ls.init())
@@ -112,34 +114,32 @@ def test_unscale_float64_under_x64_computes_in_float64_and_keeps_a_float32_scale
     ],
     ids=["2**15", "2**16", "2**17", "2**24"],
 )
-def test_unscale_float16_near_its_maximum_is_exact(jit_or_eager, loss_scale, expected):
+def test_unscale_float16_near_its_maximum_is_exact(loss_scale, expected):
     ls = jls.DynamicLossScale(loss_scale)
-    out = jit_or_eager(unscale, ls, ls.init(), {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
+    out = jitted(unscale, ls, ls.init(), {"g": jnp.array([60000.0, -60000.0], jnp.float16)})
     chex.assert_trees_all_equal(
         out, {"g": np.array([expected, -expected], np.float32)}, strict=True
     )
     assert float(np.float32(expected)) == expected
 
 
-def test_unscale_float16_maximum_by_2_pow_16_is_exact(jit_or_eager):
-    out = jit_or_eager(
-        unscale, *with_state(jls.FixedLossScale(2.0**16)), jnp.array(F16_MAX, jnp.float16)
-    )
+def test_unscale_float16_maximum_by_2_pow_16_is_exact():
+    out = jitted(unscale, *with_state(jls.FixedLossScale(2.0**16)), jnp.array(F16_MAX, jnp.float16))
     chex.assert_trees_all_equal(out, np.float32(0.99951171875), strict=True)
 
 
-def test_unscale_float16_below_a_scale_of_one_is_float32_and_finite(jit_or_eager):
+def test_unscale_float16_below_a_scale_of_one_is_float32_and_finite():
     # Unscaled in float16, 60000 / 0.5 would be inf; in float32 it is 120000.
     ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
     state = ls.init()
     grads = {"w": jnp.array([60000.0, -60000.0, 30000.0, 1.0], jnp.float16)}
 
-    out = jit_or_eager(ls.unscale, state, grads)
+    out = jitted(ls.unscale, state, grads)
     chex.assert_trees_all_equal(
         out, {"w": np.array([120000.0, -120000.0, 60000.0, 2.0], np.float32)}, strict=True
     )
 
-    new_state, should_apply = jit_or_eager(ls.update, state, out)
+    new_state, should_apply = jitted(ls.update, state, out)
     assert should_apply.dtype == jnp.bool_
     assert bool(should_apply)
     chex.assert_trees_all_equal(
@@ -151,17 +151,17 @@ def test_unscale_float16_below_a_scale_of_one_is_float32_and_finite(jit_or_eager
     )
 
 
-def test_unscale_float32_overflow_below_a_scale_of_one_is_inf_and_skips_the_step(jit_or_eager):
+def test_unscale_float32_overflow_below_a_scale_of_one_is_inf_and_skips_the_step():
     ls = jls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=0.25)
     state = ls.init()
     grads = {"w": jnp.array([3e38, -3e38, 1e38, 1.0], jnp.float32)}
 
-    out = jit_or_eager(ls.unscale, state, grads)
+    out = jitted(ls.unscale, state, grads)
     chex.assert_trees_all_equal(
         out, {"w": np.array([np.inf, -np.inf, 2e38, 2.0], np.float32)}, strict=True
     )
 
-    new_state, should_apply = jit_or_eager(ls.update, state, out)
+    new_state, should_apply = jitted(ls.update, state, out)
     assert should_apply.dtype == jnp.bool_
     assert not bool(should_apply)
     chex.assert_trees_all_equal(
@@ -176,10 +176,10 @@ def test_unscale_float32_overflow_below_a_scale_of_one_is_inf_and_skips_the_step
 # --- scale ------------------------------------------------------------------------------------
 
 
-def test_scale_float32_loss_is_the_exact_float32_product(jit_or_eager):
+def test_scale_float32_loss_is_the_exact_float32_product():
     loss = np.float32(0.1)
     for ls in [*LOSS_SCALES.values(), jls.FixedLossScale(3.0)]:
-        out = jit_or_eager(scale, ls, ls.init(), jnp.asarray(loss))
+        out = jitted(scale, ls, ls.init(), jnp.asarray(loss))
         chex.assert_trees_all_equal(out, loss * np.float32(scale_of(ls)), strict=True)
 
 
@@ -193,8 +193,8 @@ def test_scale_float32_loss_is_the_exact_float32_product(jit_or_eager):
     ],
     ids=["one", "minus-one", "scale-beyond-f16", "subnormal"],
 )
-def test_scale_float16_computes_in_float32(jit_or_eager, loss_scale, loss, expected):
-    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(loss_scale)), jnp.float16(loss))
+def test_scale_float16_computes_in_float32(loss_scale, loss, expected):
+    out = jitted(scale, *with_state(jls.DynamicLossScale(loss_scale)), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
@@ -203,39 +203,37 @@ def test_scale_float16_computes_in_float32(jit_or_eager, loss_scale, loss, expec
     [(3.0, np.inf), (-3.0, -np.inf), (2.0, np.inf), (1.99, 65216.0)],
     ids=["3", "-3", "2", "1.99"],
 )
-def test_scale_float16_loss_overflow_is_visible_as_inf(jit_or_eager, loss, expected):
+def test_scale_float16_loss_overflow_is_visible_as_inf(loss, expected):
     # 3 * 2**15 = 98304 and 2 * 2**15 = 65536 are past the float16 maximum 65504.
-    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.float16(loss))
+    out = jitted(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.float16(loss))
     chex.assert_trees_all_equal(out, np.float16(expected), strict=True)
 
 
-def test_scale_bfloat16_loss_does_not_overflow_where_float16_would(jit_or_eager):
-    out = jit_or_eager(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.bfloat16(3.0))
+def test_scale_bfloat16_loss_does_not_overflow_where_float16_would():
+    out = jitted(scale, *with_state(jls.DynamicLossScale(2.0**15)), jnp.bfloat16(3.0))
     chex.assert_trees_all_equal(out, jnp.bfloat16(98304.0), strict=True)
 
 
-def test_scale_leaves_integer_and_boolean_leaves_unchanged(jit_or_eager):
+def test_scale_leaves_integer_and_boolean_leaves_unchanged():
     tree = {
         "loss": jnp.float32(0.75),
         "count": jnp.array([1, 2, np.iinfo(np.int32).max], jnp.int32),
         "u8": jnp.array([255], jnp.uint8),
         "mask": jnp.array([True, False]),
     }
-    out = jit_or_eager(scale, *with_state(jls.FixedLossScale(8.0)), tree)
+    out = jitted(scale, *with_state(jls.FixedLossScale(8.0)), tree)
     chex.assert_trees_all_equal(out, {**tree, "loss": jnp.float32(6.0)}, strict=True)
 
 
-def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale(jit_or_eager):
+def test_complex64_leaves_keep_their_dtype_through_scale_and_unscale():
     ls = jls.DynamicLossScale(2.0**15)
     z = jnp.array([1 + 2j, -0.5j], jnp.complex64)
 
-    scaled = jit_or_eager(scale, ls, ls.init(), z)
+    scaled = jitted(scale, ls, ls.init(), z)
     chex.assert_trees_all_equal(
         scaled, np.array([32768 + 65536j, -16384j], np.complex64), strict=True
     )
-    chex.assert_trees_all_equal(
-        jit_or_eager(unscale, ls, ls.init(), scaled), np.asarray(z), strict=True
-    )
+    chex.assert_trees_all_equal(jitted(unscale, ls, ls.init(), scaled), np.asarray(z), strict=True)
 
 
 # --- mixed trees ------------------------------------------------------------------------------
@@ -253,10 +251,10 @@ def mixed_tree() -> dict:
 
 
 @pytest.mark.parametrize("method", ["scale", "unscale"])
-def test_mixed_tree_keeps_every_leaf_dtype_and_structure(jit_or_eager, method):
+def test_mixed_tree_keeps_every_leaf_dtype_and_structure(method):
     ls = jls.FixedLossScale(4.0)
     tree = mixed_tree()
-    out = jit_or_eager(scale if method == "scale" else unscale, ls, ls.init(), tree)
+    out = jitted(scale if method == "scale" else unscale, ls, ls.init(), tree)
 
     chex.assert_trees_all_equal_structs(out, tree)
     chex.assert_trees_all_equal_shapes(out, tree)
@@ -278,12 +276,12 @@ def test_mixed_tree_keeps_every_leaf_dtype_and_structure(jit_or_eager, method):
     chex.assert_trees_all_equal(out, expected, strict=True)
 
 
-def test_update_with_half_precision_gradients_keeps_the_state_dtypes(jit_or_eager):
+def test_update_with_half_precision_gradients_keeps_the_state_dtypes():
     ls = jls.DynamicLossScale(2.0**15, increment_period=1)
     state = ls.init()
-    unscaled = jit_or_eager(ls.unscale, state, mixed_tree())
+    unscaled = jitted(ls.unscale, state, mixed_tree())
 
-    state, should_apply = jit_or_eager(ls.update, state, unscaled)
+    state, should_apply = jitted(ls.update, state, unscaled)
     chex.assert_trees_all_equal_dtypes(state, ls.init())
     assert_scale_is_float32(ls, state)
     assert bool(should_apply)
@@ -291,18 +289,18 @@ def test_update_with_half_precision_gradients_keeps_the_state_dtypes(jit_or_eage
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=str)
-def test_float8_leaves_compute_in_float32_and_keep_their_dtype(jit_or_eager, dtype):
+def test_float8_leaves_compute_in_float32_and_keep_their_dtype(dtype):
     x = jnp.array([2.0, -0.5, 0.0], dtype)
-    out = jit_or_eager(unscale, *with_state(jls.FixedLossScale(4.0)), {"g": x})
+    out = jitted(unscale, *with_state(jls.FixedLossScale(4.0)), {"g": x})
     chex.assert_trees_all_equal(out, {"g": jnp.array([0.5, -0.125, 0.0], dtype)}, strict=True)
 
 
 @pytest.mark.parametrize("scale", [2.0**126, 2.0**127, 3.0 * 2.0**126])
-def test_unscale_by_a_scale_whose_reciprocal_is_subnormal(jit_or_eager, scale):
+def test_unscale_by_a_scale_whose_reciprocal_is_subnormal(scale):
     # 1 / scale is below the smallest normal float32, which XLA on CPU flushes to zero.
     ls = jls.FixedLossScale(scale)
     grads = {"w": jnp.array([0.5, -1.0, 0.0], jnp.float32) * np.float32(scale)}
-    unscaled = jit_or_eager(ls.unscale, ls.init(), grads)
+    unscaled = jitted(ls.unscale, ls.init(), grads)
     np.testing.assert_allclose(unscaled["w"], [0.5, -1.0, 0.0], rtol=2e-7)
     if scale != 3.0 * 2.0**126:  # powers of two unscale exactly
         np.testing.assert_array_equal(unscaled["w"], np.array([0.5, -1.0, 0.0], np.float32))

@@ -1,7 +1,6 @@
 """The numerics (`_numerics`): `all_finite`, edge cases, leaf checks, agreement across devices."""
 
 import re
-from collections.abc import Callable
 
 import chex
 import jax
@@ -30,8 +29,8 @@ FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
 NON_FINITE = [np.nan, np.inf, -np.inf]
 
 
-def finite(jit_or_eager: Callable, tree) -> bool:
-    result = jit_or_eager(jls.all_finite, tree)
+def finite(tree) -> bool:
+    result = jax.jit(jls.all_finite)(tree)
     assert result.dtype == jnp.bool_
     assert result.shape == ()
     return bool(result)
@@ -49,44 +48,44 @@ def float0_zeros(shape: tuple[int, ...]) -> np.ndarray:
     [{}, [], (), None, {"a": None, "b": [None, (None,)]}, [{}, ()]],
     ids=["dict", "list", "tuple", "none", "nested-nones", "nested-empties"],
 )
-def test_empty_tree_and_tree_of_nones_are_finite(jit_or_eager, tree):
-    assert finite(jit_or_eager, tree) is True
+def test_empty_tree_and_tree_of_nones_are_finite(tree):
+    assert finite(tree) is True
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_non_finite_value_in_any_floating_dtype_is_detected(jit_or_eager, dtype, value):
+def test_non_finite_value_in_any_floating_dtype_is_detected(dtype, value):
     good = jnp.array([1.0, -2.0, 3.0, 0.0], dtype)
     bad = good.at[2].set(value)
-    assert finite(jit_or_eager, {"ok": jnp.ones(3), "g": good}) is True
-    assert finite(jit_or_eager, {"ok": jnp.ones(3), "g": bad}) is False
+    assert finite({"ok": jnp.ones(3), "g": good}) is True
+    assert finite({"ok": jnp.ones(3), "g": bad}) is False
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
-def test_non_finite_imaginary_part_is_detected(jit_or_eager, value):
+def test_non_finite_imaginary_part_is_detected(value):
     leaf = jnp.array([1 + 1j, complex(2.0, value)], jnp.complex64)
-    assert finite(jit_or_eager, [leaf]) is False
+    assert finite([leaf]) is False
 
 
-def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes(jit_or_eager):
+def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes():
     ints = {
         "i32": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
         "u8": jnp.array([255, 0], jnp.uint8),
         "bool": jnp.array([True, False]),
         "np_i32": np.full((3,), np.iinfo(np.int32).max, np.int32),
     }
-    assert finite(jit_or_eager, ints) is True
-    assert finite(jit_or_eager, {**ints, "f": jnp.ones(2)}) is True
-    assert finite(jit_or_eager, {**ints, "f": jnp.array([1.0, np.nan])}) is False
+    assert finite(ints) is True
+    assert finite({**ints, "f": jnp.ones(2)}) is True
+    assert finite({**ints, "f": jnp.array([1.0, np.nan])}) is False
 
 
-def test_float0_leaves_are_ignored(jit_or_eager):
+def test_float0_leaves_are_ignored():
     _, int_grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)(1.0, 3)
     assert int_grad.dtype == jax.dtypes.float0
     tree = {"from_grad": int_grad, "zeros": float0_zeros((2, 3))}
-    assert finite(jit_or_eager, tree) is True
-    assert finite(jit_or_eager, {**tree, "f": jnp.full((2,), 0.5)}) is True
-    assert finite(jit_or_eager, {**tree, "f": jnp.array([0.5, -np.inf])}) is False
+    assert finite(tree) is True
+    assert finite({**tree, "f": jnp.full((2,), 0.5)}) is True
+    assert finite({**tree, "f": jnp.array([0.5, -np.inf])}) is False
 
 
 @pytest.mark.parametrize(
@@ -101,12 +100,12 @@ def test_float0_leaves_are_ignored(jit_or_eager):
     ],
     ids=["f32", "f32-inf", "f16-nan", "np-f32-neg-inf", "np-f16", "i32"],
 )
-def test_scalar_leaf(jit_or_eager, leaf, expected):
-    assert finite(jit_or_eager, leaf) is expected
-    assert finite(jit_or_eager, {"s": leaf}) is expected
+def test_scalar_leaf(leaf, expected):
+    assert finite(leaf) is expected
+    assert finite({"s": leaf}) is expected
 
 
-def test_one_bad_entry_deep_inside_a_nested_tree(jit_or_eager):
+def test_one_bad_entry_deep_inside_a_nested_tree():
     def tree(deep):
         return {
             "a": [jnp.ones(2), {"b": (jnp.zeros((2, 2)), None, {"c": [jnp.ones(1), deep]})}],
@@ -114,22 +113,22 @@ def test_one_bad_entry_deep_inside_a_nested_tree(jit_or_eager):
         }
 
     ok = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.bfloat16)
-    assert finite(jit_or_eager, tree(ok)) is True
-    assert finite(jit_or_eager, tree(ok.at[4].set(np.nan))) is False
+    assert finite(tree(ok)) is True
+    assert finite(tree(ok.at[4].set(np.nan))) is False
 
 
-def test_numpy_arrays_as_leaves(jit_or_eager):
+def test_numpy_arrays_as_leaves():
     good = {"f32": np.ones((2, 2), np.float32), "f16": np.full((3,), 0.25, np.float16)}
-    assert finite(jit_or_eager, good) is True
-    assert finite(jit_or_eager, {**good, "bad": np.array([0.0, np.inf], np.float32)}) is False
-    assert finite(jit_or_eager, {**good, "bad": np.array([np.nan], np.float16)}) is False
+    assert finite(good) is True
+    assert finite({**good, "bad": np.array([0.0, np.inf], np.float32)}) is False
+    assert finite({**good, "bad": np.array([np.nan], np.float16)}) is False
 
 
-def test_large_array_with_one_nan_at_the_end(jit_or_eager):
+def test_large_array_with_one_nan_at_the_end():
     leaf = np.ones((1 << 20,), np.float32)
-    assert finite(jit_or_eager, {"w": leaf}) is True
+    assert finite({"w": leaf}) is True
     leaf[-1] = np.nan
-    assert finite(jit_or_eager, {"w": leaf}) is False
+    assert finite({"w": leaf}) is False
 
 
 # --- leaf checks ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import jax_lossscale as jls
 
-from helpers import ReferenceLossScale, assert_bits_equal, stats_dict
+from helpers import ReferenceLossScale, assert_bits_equal, jitted, stats_dict
 
 INT32_MAX = 2**31 - 1
 
@@ -178,26 +178,26 @@ def test_wrapper_matches_the_model(config, inner_name, steps, seed):
 # --- 2. counters never overflow -------------------------------------------------------------
 
 
-def test_increment_period_int32_max(jit_or_eager):
+def test_increment_period_int32_max():
     ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=INT32_MAX, hysteresis=2)
     assert ls.increment_period == INT32_MAX
     assert ls.get_config()["increment_period"] == INT32_MAX
     state = ls.init()
     grads = {"w": jnp.ones(2)}
 
-    state, applied = jit_or_eager(ls.update, state, grads)
+    state, applied = jitted(ls.update, state, grads)
     assert (state.loss_scale.item(), state.good_steps.item(), applied.item()) == (8.0, 1, True)
 
     state = state._replace(good_steps=int32(INT32_MAX - 2), overflows_until_backoff=int32(1))
-    state, _ = jit_or_eager(ls.update, state, grads)
+    state, _ = jitted(ls.update, state, grads)
     # One step short of the period: no growth, the tolerance is not refilled.
     assert tuple(leaf.item() for leaf in state) == (8.0, INT32_MAX - 1, 1)
-    state, _ = jit_or_eager(ls.update, state, grads)
+    state, _ = jitted(ls.update, state, grads)
     assert tuple(leaf.item() for leaf in state) == (16.0, 0, 2)
     chex.assert_trees_all_equal_dtypes(state, ls.init())
 
 
-def test_increment_period_int32_max_through_the_wrapper(jit_or_eager):
+def test_increment_period_int32_max_through_the_wrapper():
     ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=INT32_MAX)
     tx = jls.loss_scaled(optax.sgd(1.0), ls)
     params = {"w": jnp.zeros(2)}
@@ -205,31 +205,31 @@ def test_increment_period_int32_max_through_the_wrapper(jit_or_eager):
     opt_state = opt_state._replace(
         loss_scale_state=opt_state.loss_scale_state._replace(good_steps=int32(INT32_MAX - 1))
     )
-    updates, opt_state = jit_or_eager(tx.update, {"w": jnp.array([8.0, -16.0])}, opt_state, params)
+    updates, opt_state = jitted(tx.update, {"w": jnp.array([8.0, -16.0])}, opt_state, params)
     chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, 2.0])})
     assert jls.get_loss_scale(opt_state).item() == 16.0
     assert opt_state.loss_scale_state.good_steps.item() == 0
 
 
-def test_hysteresis_int32_max_counts_down_without_wrapping(jit_or_eager):
+def test_hysteresis_int32_max_counts_down_without_wrapping():
     ls = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=2, hysteresis=INT32_MAX)
     state = ls.init()
     assert state.overflows_until_backoff.item() == INT32_MAX
     bad = {"w": jnp.array([jnp.inf])}
-    state, _ = jit_or_eager(ls.update, state, bad)
-    state, _ = jit_or_eager(ls.update, state, bad)
+    state, _ = jitted(ls.update, state, bad)
+    state, _ = jitted(ls.update, state, bad)
     assert tuple(leaf.item() for leaf in state) == (8.0, 0, INT32_MAX - 2)
     for _ in range(2):
-        state, _ = jit_or_eager(ls.update, state, {"w": jnp.ones(1)})
+        state, _ = jitted(ls.update, state, {"w": jnp.ones(1)})
     assert tuple(leaf.item() for leaf in state) == (16.0, 0, INT32_MAX)
 
 
-def test_overflows_until_backoff_stays_at_one(jit_or_eager):
+def test_overflows_until_backoff_stays_at_one():
     ls = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=3, hysteresis=3)
     state = ls.init()
     trajectory = []
     for _ in range(6):
-        state, _ = jit_or_eager(ls.update, state, {"w": jnp.array([jnp.nan])})
+        state, _ = jitted(ls.update, state, {"w": jnp.array([jnp.nan])})
         trajectory.append(tuple(leaf.item() for leaf in state))
     assert trajectory == [
         (1024.0, 0, 2),
@@ -246,7 +246,7 @@ def test_overflows_until_backoff_stays_at_one(jit_or_eager):
     [(jnp.nan, "nan_skipped_steps"), (jnp.inf, "inf_skipped_steps")],
     ids=["nan", "inf"],
 )
-def test_skip_counters_saturate_at_int32_max(jit_or_eager, bad, kind_counter):
+def test_skip_counters_saturate_at_int32_max(bad, kind_counter):
     tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=2.0**10))
     params = {"w": jnp.ones(2)}
     opt_state = tx.init(params)
@@ -257,14 +257,14 @@ def test_skip_counters_saturate_at_int32_max(jit_or_eager, bad, kind_counter):
     )
     other_counter = ({"nan_skipped_steps", "inf_skipped_steps"} - {kind_counter}).pop()
     for _ in range(3):
-        _, opt_state = jit_or_eager(tx.update, {"w": jnp.array([1.0, bad])}, opt_state, params)
+        _, opt_state = jitted(tx.update, {"w": jnp.array([1.0, bad])}, opt_state, params)
         stats = opt_state.stats
         for counter in counters:
             chex.assert_trees_all_equal(getattr(stats, counter), int32(INT32_MAX), strict=True)
         assert getattr(stats, other_counter).item() == 0
     assert jls.get_loss_scale(opt_state).item() == 2.0**7
 
-    _, opt_state = jit_or_eager(tx.update, {"w": jnp.ones(2)}, opt_state, params)
+    _, opt_state = jitted(tx.update, {"w": jnp.ones(2)}, opt_state, params)
     assert stats_dict(opt_state) == {
         "loss_scale": 2.0**7,
         "grad_norm": np.float32(2**-6.5).item(),  # of [1, 1] / 2**7
@@ -395,14 +395,12 @@ def test_float64_gradients_with_x64_in_a_subprocess():
         (2.0**15, 65504.0, 65504.0 / 2**15),
     ],
 )
-def test_float16_near_its_maximum_unscales_without_overflow(
-    jit_or_eager, scale, scaled_value, true_value
-):
+def test_float16_near_its_maximum_unscales_without_overflow(scale, scaled_value, true_value):
     ls = jls.DynamicLossScale(initial_loss_scale=scale, min_loss_scale=2.0**-4)
     tx = jls.loss_scaled(optax.sgd(1.0), ls)
     params = {"w": jnp.zeros(2, jnp.float16)}
     grads = {"w": jnp.array([scaled_value, 1.0], jnp.float16)}
-    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    updates, opt_state = jitted(tx.update, grads, tx.init(params), params)
     # float16 gradients are unscaled to float32, where sgd's updates are made.
     expected = {"w": jnp.array([-true_value, -1.0 / scale], jnp.float32)}
     assert_bits_equal(updates, expected)
@@ -483,7 +481,7 @@ STATS_FIELDS = (
 )
 
 
-def run_steps(tx, params, grads_list, jit_or_eager):
+def run_steps(tx, params, grads_list):
     """The stats after each step, all steps traced as one program under jit."""
 
     def run(opt_state, grads_list):
@@ -493,12 +491,12 @@ def run_steps(tx, params, grads_list, jit_or_eager):
             history.append(jls.get_loss_scale_stats(opt_state))
         return history
 
-    history = jit_or_eager(run, tx.init(params), grads_list)
+    history = jitted(run, tx.init(params), grads_list)
     return [tuple(getattr(stats, name).item() for name in STATS_FIELDS) for stats in history]
 
 
 @pytest.mark.parametrize("nesting", sorted(NESTINGS))
-def test_stats_classify_nan_and_inf_and_count_consecutive_skips(jit_or_eager, nesting):
+def test_stats_classify_nan_and_inf_and_count_consecutive_skips(nesting):
     ls = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=100)
     tx = NESTINGS[nesting](lambda learning_rate: jls.loss_scaled(optax.sgd(learning_rate), ls))
     params = {"a": jnp.zeros(3), "b": [jnp.zeros(2, jnp.bfloat16), None]}
@@ -516,7 +514,7 @@ def test_stats_classify_nan_and_inf_and_count_consecutive_skips(jit_or_eager, ne
         grads([1.0, 1.0, 2.0], [0.0, 1.0]),
         grads([1.0, 1.0, 2.0], [0.0, -inf]),
     ]
-    history = run_steps(tx, params, grads_list, jit_or_eager)
+    history = run_steps(tx, params, grads_list)
     # (skipped, nan, inf, consecutive, last applied)
     assert history == [
         (1, 1, 0, 1, False),
@@ -530,7 +528,7 @@ def test_stats_classify_nan_and_inf_and_count_consecutive_skips(jit_or_eager, ne
 
 
 @pytest.mark.parametrize("nesting", sorted(NESTINGS))
-def test_user_loss_scale_skipping_finite_grads_is_neither_nan_nor_inf(jit_or_eager, nesting):
+def test_user_loss_scale_skipping_finite_grads_is_neither_nan_nor_inf(nesting):
     tx = NESTINGS[nesting](
         lambda learning_rate: jls.loss_scaled(optax.sgd(learning_rate), SkipFirstSteps(2))
     )
@@ -539,7 +537,7 @@ def test_user_loss_scale_skipping_finite_grads_is_neither_nan_nor_inf(jit_or_eag
         {"w": jnp.array(values)}
         for values in [[1.0, 2.0], [1.0, 2.0], [jnp.nan, 2.0], [1.0, jnp.inf], [1.0, 2.0]]
     ]
-    history = run_steps(tx, params, grads_list, jit_or_eager)
+    history = run_steps(tx, params, grads_list)
     assert history == [
         (1, 0, 0, 1, False),
         (2, 0, 0, 2, False),
@@ -549,7 +547,7 @@ def test_user_loss_scale_skipping_finite_grads_is_neither_nan_nor_inf(jit_or_eag
     ]
 
 
-def test_applied_non_finite_steps_count_as_no_skip(jit_or_eager):
+def test_applied_non_finite_steps_count_as_no_skip():
     # A fixed scale never skips: non-finite gradients reach the inner optimizer.
     tx = jls.loss_scaled(optax.sgd(0.1), jls.FixedLossScale(4.0))
     params = {"w": jnp.zeros(2)}
@@ -557,5 +555,5 @@ def test_applied_non_finite_steps_count_as_no_skip(jit_or_eager):
         {"w": jnp.array(values)}
         for values in [[jnp.nan, 2.0], [1.0, jnp.inf], [-jnp.inf, jnp.nan], [1.0, 2.0]]
     ]
-    history = run_steps(tx, params, grads_list, jit_or_eager)
+    history = run_steps(tx, params, grads_list)
     assert history == [(0, 0, 0, 0, True)] * 4

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
 
-from helpers import ReferenceLossScale, assert_bits_equal, compiled_reductions
+from helpers import ReferenceLossScale, assert_bits_equal, compiled_reductions, jitted
 
 NUM_DEVICES = 8
 AXIS = "d"
@@ -50,7 +50,7 @@ def scaled(grads, scale: float):
     ],
     ids=["float32", "float16", "bfloat16", "mixed"],
 )
-def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(jit_or_eager, dtypes):
+def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(dtypes):
     rng = np.random.default_rng(0)
     true_grads = {
         "w": rng.normal(size=(64, 16)).astype(dtypes["w"]) * 1e-3,
@@ -58,7 +58,7 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients(jit_or_eager, dt
     }
     params = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), true_grads)
     tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(initial_loss_scale=2.0**10))
-    _, opt_state = jit_or_eager(tx.update, scaled(true_grads, 2.0**10), tx.init(params), params)
+    _, opt_state = jitted(tx.update, scaled(true_grads, 2.0**10), tx.init(params), params)
 
     grad_norm = jls.get_loss_scale_stats(opt_state).grad_norm
     assert grad_norm.dtype == jnp.float32

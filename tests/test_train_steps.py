@@ -25,7 +25,7 @@ import pytest
 
 import jax_lossscale as jls
 
-from helpers import assert_bits_equal, bits
+from helpers import assert_bits_equal, bits, jitted
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -176,9 +176,7 @@ def test_stats_returned_by_a_donated_step_outlive_the_next_step():
 
 
 @pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
-def test_a_reset_loss_scale_state_is_what_get_loss_scale_reads_and_update_unscales_by(
-    loss_scale, jit_or_eager
-):
+def test_a_reset_loss_scale_state_is_what_get_loss_scale_reads_and_update_unscales_by(loss_scale):
     tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
     params = {"w": jnp.array([1.0, 2.0])}
     opt_state = tx.init(params)
@@ -193,7 +191,7 @@ def test_a_reset_loss_scale_state_is_what_get_loss_scale_reads_and_update_unscal
     assert float(scale) == 2.0**11
     true_grads = {"w": jnp.array([0.5, -0.25])}
     scaled_grads = jax.tree.map(lambda g: g * scale, true_grads)
-    updates, _ = jit_or_eager(tx.update, scaled_grads, reset, params)
+    updates, _ = jitted(tx.update, scaled_grads, reset, params)
     chex.assert_trees_all_equal(updates, {"w": jnp.array([-0.5, 0.25])})
 
 
@@ -327,17 +325,17 @@ RESUMED = [
     ids=[case[0] for case in RESUMED],
 )
 def test_a_saved_state_obeys_the_current_hyperparameters_from_the_next_update(
-    jit_or_eager, loss_scale, saved, grads, expected
+    loss_scale, saved, grads, expected
 ):
     state = _dynamic_state(*saved)
     assert float(loss_scale(state)) == saved[0]  # read as saved until the next update
-    new_state, _ = jit_or_eager(loss_scale.update, state, grads)
+    new_state, _ = jitted(loss_scale.update, state, grads)
     chex.assert_trees_all_equal(new_state, _dynamic_state(*expected), strict=True)
 
 
-def test_a_fixed_scale_state_takes_the_current_value_from_the_next_update(jit_or_eager):
+def test_a_fixed_scale_state_takes_the_current_value_from_the_next_update():
     state = jls.FixedLossScale(128.0).init()
-    new_state, should_apply = jit_or_eager(jls.FixedLossScale(1024.0).update, state, FINITE)
+    new_state, should_apply = jitted(jls.FixedLossScale(1024.0).update, state, FINITE)
     chex.assert_trees_all_equal(new_state, jls.FixedLossScaleState(jnp.float32(1024.0)))
     assert bool(should_apply)
 
