@@ -87,20 +87,14 @@ def test_the_loss_scaled_step_on_an_h100_has_no_conditional_nor_variadic_reducti
 
 # Reached: one kernel per leaf (its rows' sums of squares), one for their sum, and the state's
 # scalars in 7 or 8 small kernels (XLA:GPU's multi-output fusion does not merge fusions that
-# share scalars only): adam 139, sgd 136 (306 and 237 before). DESIGN 4.1 asks for 4 more.
+# share scalars only): adam 139, sgd 136 (306 and 237 before). DESIGN 4.1's target, bare + one
+# per leaf + 4 (134 and 132), is not reached yet: these pin what is, so that nothing regresses.
 REACHED = {"adam": 66 + LEAVES + 9, "sgd": 64 + LEAVES + 8}
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_the_loss_scaled_step_on_an_h100_launches_no_more_kernels_than_now(optimizer):
     assert step_program(optimizer, "jax_lossscale").kernels <= REACHED[optimizer]
-
-
-@pytest.mark.xfail(reason="DESIGN 4.1's target: the state's scalars in at most 4 kernels")
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_the_loss_scaled_step_on_an_h100_has_one_kernel_per_leaf_and_4_more(optimizer):
-    bare = step_program(optimizer, "bare").kernels
-    assert step_program(optimizer, "jax_lossscale").kernels <= bare + LEAVES + 4
 
 
 def test_the_gpt_step_on_an_h100_meets_design_4_1():
