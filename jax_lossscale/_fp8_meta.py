@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._checks import describe, path_name
-from jax_lossscale._numerics import GradientCheck
+from jax_lossscale._numerics import GradientCheck, finite_and_nan_flags
 from jax_lossscale._types import AxisName, PyTree
 
 # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT, the collection of flax's fp8 meta state
@@ -184,22 +184,11 @@ class MetaStep:
         if not self._local:
             self._new: list[jax.Array] = []
             return
-        floating = [
-            jnp.asarray(leaf) for leaf in self._local if jnp.issubdtype(leaf.dtype, jnp.inexact)
-        ]
-        finite = jnp.stack(
-            [jnp.isfinite(leaf).all() for leaf in floating] or [jnp.array(True)]
-        ).all()
-        has_nan = jnp.stack(
-            [jnp.isnan(leaf).any() for leaf in floating] or [jnp.array(False)]
-        ).any()
+        self.finite, self.has_nan = finite_and_nan_flags(self._local, axis_name)
         if axis_name is not None:
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-            has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
             self._new = [jax.lax.pmax(leaf, axis_name) for leaf in self._local]
         else:
             self._new = list(self._local)
-        self.finite, self.has_nan = finite, has_nan
 
     def joined(self, check: GradientCheck) -> GradientCheck:
         """The check of the gradients, with the meta values' finiteness and NaNs added."""

@@ -53,8 +53,19 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
+    return finite_and_nan_flags(tree, axis_name)[0]
+
+
+def finite_and_nan_flags(tree: PyTree, axis_name: AxisName | None) -> tuple[jax.Array, jax.Array]:
+    """Whether the floating leaves of `tree` are all finite, and whether one holds a NaN, exact
+    per entry on every platform (`all_finite`'s pass), each the same on every device of
+    `axis_name`."""
     totals, infs = square_sums_and_infs(floating_parts(tree))
-    return _finite(totals, infs, axis_name)
+    nans = [jnp.isnan(total) for total in totals]
+    has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
+    if axis_name is not None:
+        has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return _finite(totals, infs, axis_name), has_nan
 
 
 def may_be_sharded(leaf: Any) -> bool:
