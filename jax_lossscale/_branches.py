@@ -37,11 +37,10 @@ def apply_or_skip(
     tracer, and XLA folds the `cond` on it.
     """
     applied_types: tuple[PyTree, PyTree] | None = None
-    run_inner = inner_update
 
     def applied() -> tuple[optax.Updates, optax.OptState]:
         nonlocal applied_types
-        new_updates, new_inner_state = run_inner()
+        new_updates, new_inner_state = inner_update()
         applied_types = _branch_types(inner_state, new_updates, new_inner_state)
         return new_updates, _as_types(new_inner_state, applied_types[1])
 
@@ -59,23 +58,12 @@ def apply_or_skip(
         return applied() if apply else skipped()
     if select:
         return _selected(apply, inner_update, inner_state)
-    # Traced once, for both forms: each replays its equations.
-    closed, shape = jax.make_jaxpr(inner_update, return_shape=True)()
-
-    def replayed() -> tuple[optax.Updates, optax.OptState]:
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts)
-        return cast(
-            tuple[optax.Updates, optax.OptState],
-            jax.tree.unflatten(jax.tree.structure(shape), outs),
-        )
-
-    run_inner = replayed
 
     def by_cond() -> tuple[optax.Updates, optax.OptState]:
         return cast(tuple[optax.Updates, optax.OptState], jax.lax.cond(apply, applied, skipped))
 
     def by_select() -> tuple[optax.Updates, optax.OptState]:
-        return _selected(apply, replayed, inner_state)
+        return _selected(apply, inner_update, inner_state)
 
     # On a GPU a `cond` is a conditional thunk: the host reads the predicate and waits for the
     # device on every step. The selects fuse into the inner update's own kernels there.

@@ -170,36 +170,10 @@ def square_sums_and_infs(
 def on_gpu(gpu: Callable[..., Any], other: Callable[..., Any], *args: Any) -> Any:
     """`gpu(*args)` where the program is lowered for a GPU (CUDA or ROCm), else `other(*args)`.
 
-    Both are traced, once each (`jax.lax.platform_dependent`), and XLA keeps the chosen one
-    alone, so the program of any other platform is the one `other` alone would give. Under
-    `shard_map`, an output that varies over an axis in one form is made to vary in both.
+    Both are traced (`jax.lax.platform_dependent`), and the lowering keeps the chosen one
+    alone, so the program of any other platform is the one `other` alone would give.
     """
-    traced = [jax.make_jaxpr(form, return_shape=True)(*args) for form in (gpu, other)]
-    varying = [
-        _varying_axes_of(a) | _varying_axes_of(b)
-        for a, b in zip(traced[0][0].out_avals, traced[1][0].out_avals, strict=True)
-    ]
-
-    def replay(closed: Any, shape: Any) -> Callable[..., Any]:
-        def form(*args: Any) -> Any:
-            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
-            outs = [_varying_over(out, axes) for out, axes in zip(outs, varying, strict=True)]
-            return jax.tree.unflatten(jax.tree.structure(shape), outs)
-
-        return form
-
-    gpu_form, other_form = (replay(closed, shape) for closed, shape in traced)
-    return jax.lax.platform_dependent(*args, cuda=gpu_form, rocm=gpu_form, default=other_form)
-
-
-def _varying_axes_of(aval: Any) -> frozenset[Any]:
-    axis_type = getattr(aval, "manual_axis_type", None)
-    return cast(frozenset[Any], getattr(axis_type, "varying", frozenset()))
-
-
-def _varying_over(value: jax.Array, axes: frozenset[Any]) -> jax.Array:
-    missing = axes - _varying_axes(value)
-    return jax.lax.pcast(value, tuple(missing), to="varying") if missing else value
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=other)
 
 
 ROW = 512  # entries: the sums of squares on a GPU are first taken over rows of this many
