@@ -58,12 +58,23 @@ def apply_or_skip(
         return applied() if apply else skipped()
     if select:
         return _selected(apply, inner_update, inner_state)
+    # The inner update traced once for both forms, each replaying its equations.
+    closed, shape = jax.make_jaxpr(inner_update, return_shape=True)()
+
+    def replayed() -> tuple[optax.Updates, optax.OptState]:
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts)
+        return cast(
+            tuple[optax.Updates, optax.OptState],
+            jax.tree.unflatten(jax.tree.structure(shape), outs),
+        )
+
+    inner_update = replayed
 
     def by_cond() -> tuple[optax.Updates, optax.OptState]:
         return cast(tuple[optax.Updates, optax.OptState], jax.lax.cond(apply, applied, skipped))
 
     def by_select() -> tuple[optax.Updates, optax.OptState]:
-        return _selected(apply, inner_update, inner_state)
+        return _selected(apply, replayed, inner_state)
 
     # On a GPU a `cond` is a conditional thunk: the host reads the predicate and waits for the
     # device on every step. The selects fuse into the inner update's own kernels there.
