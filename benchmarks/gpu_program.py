@@ -26,7 +26,6 @@ What is read off the program (`GpuProgram`):
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -204,13 +203,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         size = gpt.Size(layers, width, heads=max(width // 64, 1), seq=seq, batch=batch)
         for name, program in gpt_steps(size, GPT_CONTENDERS).items():
             results[f"gpt {args.gpt} / {name}"] = _figures(program)
-    width = max(len(name) for name in results)
-    print(f"{'step':<{width}} | kernels | variadic reduce | conditional | temp bytes")
-    for name, figures in results.items():
-        print(f"{name:<{width}} | " + " | ".join(str(value) for value in figures.values()))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    from benchmarks import hlo
+
+    columns = ["kernels", "variadic reduce", "conditional", "temp bytes"]
+    hlo.report(results, columns, args.json)
     return results
 
 

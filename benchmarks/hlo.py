@@ -112,15 +112,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parser.parse_args(argv)
     gpt_size = None if args.gpt_size == "none" else args.gpt_size
     results = counts_of_steps(run.parse_count(args.size), args.leaves, gpt_size)
+    report(results, [*KINDS, "instructions", "temp_bytes"], args.json)
+    return results
+
+
+def report(results: dict[str, dict[str, int]], columns: Sequence[str], path: str | None) -> None:
+    """Prints `results` as a table of `columns`, a row per step, and writes them to `path` as
+    JSON when it is given."""
     width = max(len(name) for name in results)
-    header = " | ".join([*KINDS, "instructions", "temp_bytes"])
-    print(f"{'step':<{width}} | {header}")
+    print(f"{'step':<{width}} | " + " | ".join(columns))
     for name, counts in results.items():
         print(f"{name:<{width}} | " + " | ".join(str(value) for value in counts.values()))
-    if args.json:
-        with open(args.json, "w") as file:
+    if path:
+        with open(path, "w") as file:
             json.dump(results, file, indent=1)
-    return results
 
 
 if __name__ == "__main__":

@@ -198,10 +198,6 @@ class MetaStep:
             finite=check.finite & self.finite, has_nan=check.has_nan | self.has_nan
         )
 
-    def with_values(self, grads: PyTree) -> PyTree:
-        """What a loss scale's `update` checks: the gradients and the new meta values."""
-        return (grads, self._local) if self._local else grads
-
     def gated(self, apply: jax.Array) -> jax.Array:
         """`apply`, false where a new meta value is not finite, under every loss scale."""
         return apply if self.finite is None else apply & self.finite
