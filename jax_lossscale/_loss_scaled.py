@@ -11,7 +11,13 @@ from jax_lossscale._branches import apply_or_skip, skips_by_select
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
-from jax_lossscale._numerics import check_gradients, in_unscaled_dtypes, on_gpu, unscaled_gradients
+from jax_lossscale._numerics import (
+    check_gradients,
+    in_unscaled_dtypes,
+    on_gpu,
+    scalars_written_together,
+    unscaled_gradients,
+)
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -153,7 +159,8 @@ def loss_scaled(
         new_updates = meta.merged(new_updates, apply, lambda: loss_scale(loss_scale_state) / scale)
         stats = next_stats(state.stats, check, applied=apply, spike=spike)
         spike_windows = spike_rule.record(state.spike_windows, check.norm, loss, apply)
-        return new_updates, LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
+        new_state = LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
+        return new_updates, scalars_written_together(new_state)
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

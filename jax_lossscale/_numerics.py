@@ -377,10 +377,62 @@ def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
 
 
 def reciprocal_factors(divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two float32 factors whose product is `1 / divisor`, neither of them subnormal."""
+    """Two float32 factors whose product is `1 / divisor`, neither of them subnormal.
+
+    On a GPU both come from one division of pairs, the same two quotients: the kernels that
+    read them (every leaf's unscaling and check) then share an operand of two entries, and
+    XLA:GPU merges kernels that share one, where it merges none that share scalars only.
+    """
     divisor = divisor.astype(jnp.float32)
     bounded = jnp.minimum(divisor, np.float32(2.0**126))
-    return 1 / bounded, bounded / divisor
+
+    def paired(bounded: jax.Array, divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
+        factors = jnp.stack([jnp.ones_like(bounded), bounded]) / jnp.stack([bounded, divisor])
+        return factors[0], factors[1]
+
+    def apart(bounded: jax.Array, divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return 1 / bounded, bounded / divisor
+
+    return cast(tuple[jax.Array, jax.Array], on_gpu(paired, apart, bounded, divisor))
+
+
+def scalars_written_together(tree: PyTree) -> PyTree:
+    """`tree`, whose 32-bit scalar leaves, on a GPU, are written by one kernel.
+
+    XLA:GPU launches a kernel for each small computation of a scalar (a counter, the
+    scale, a select between old and new) that no larger kernel takes in, since it merges no
+    kernels over scalar operands. So there the scalars' bits are stacked into one vector
+    (one kernel computes them all), which a barrier keeps XLA from taking apart again, and
+    each is read back out with `max(b, b >> 1)`, which is `b` for unsigned bits but is an
+    elementwise operation, so that XLA writes them all in one more kernel. Other platforms
+    get `tree` as it is; weakly typed leaves stay out, since the bits come back strong.
+    """
+    return on_gpu(_written_together, lambda tree: tree, tree)
+
+
+def _written_together(tree: PyTree) -> PyTree:
+    leaves, structure = jax.tree.flatten(tree)
+    groups: dict[Any, list[int]] = {}  # by the mapped axes a value varies over (shard_map)
+    for index, leaf in enumerate(leaves):
+        aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
+        if (
+            aval is not None
+            and aval.ndim == 0
+            and aval.dtype.itemsize == 4
+            and aval.dtype != jnp.bool_
+            and not aval.weak_type
+        ):
+            groups.setdefault(getattr(aval, "manual_axis_type", None), []).append(index)
+    for chosen in groups.values():
+        if len(chosen) < 2:
+            continue
+        bits = jax.lax.optimization_barrier(
+            jnp.stack([jax.lax.bitcast_convert_type(leaves[i], jnp.uint32) for i in chosen])
+        )
+        for position, index in enumerate(chosen):
+            read = jnp.maximum(bits[position], bits[position] >> np.uint32(1))
+            leaves[index] = jax.lax.bitcast_convert_type(read, leaves[index].dtype)
+    return jax.tree.unflatten(structure, leaves)
 
 
 def unscaled_dtype(dtype: Any) -> Any:

@@ -133,3 +133,57 @@ def test_adam_on_a_gpu_gives_what_the_cpu_form_gives():
         assert_bits_equal(gpu[1].stats[1:], cpu[1].stats[1:])  # after grad_norm
         for gpu_leaf, cpu_leaf in zip(jax.tree.leaves(gpu), jax.tree.leaves(cpu), strict=True):
             np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-6, atol=1e-9)
+
+
+def test_the_reciprocal_factors_on_a_gpu_are_the_cpu_ones_bit_for_bit(on_a_gpu):
+    divisors = np.array([1.0, 3.0, 0.7, 2.0**-10, 2.0**15, 1e38, 2.0**127, 3.4e38], np.float32)
+    cpu = [(1 / np.minimum(d, np.float32(2.0**126)), np.minimum(d, 2.0**126) / d) for d in divisors]
+    gpu = jax.jit(jax.vmap(_numerics.reciprocal_factors))(jnp.asarray(divisors))
+    assert_bits_equal(gpu[0], np.array([r for r, _ in cpu], np.float32))
+    assert_bits_equal(gpu[1], np.array([c for _, c in cpu], np.float32))
+    assert float(gpu[1][-2]) == 0.5  # 2**127: bounded at 2**126, then corrected by a half
+
+
+def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gpu):
+    """Every 32-bit scalar goes through the stacked bits and comes back bit for bit (a NaN's
+    payload, -0.0, a subnormal, a negative count); everything else is left as it was."""
+    nan_with_payload = np.array(0x7FC01234, np.uint32).view(np.float32)
+    tree = {
+        "scale": jnp.float32(-0.0),
+        "nan": jnp.asarray(nan_with_payload),
+        "tiny": jnp.float32(1e-45),
+        "count": jnp.int32(-7),
+        "bits": jnp.uint32(0xFFFFFFFF),
+        "half": jnp.float16(3.0),
+        "flag": jnp.bool_(True),
+        "vector": jnp.arange(3.0),
+        "weak": jnp.asarray(2.0),  # weakly typed: left out, its type would come back strong
+        "none": None,
+    }
+    out = jax.jit(_numerics.scalars_written_together)(tree)
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    for name, leaf in tree.items():
+        if leaf is not None:
+            assert jax.typeof(out[name]) == jax.typeof(leaf), name
+            assert_bits_equal(out[name], leaf)
+    jaxpr = jax.make_jaxpr(_numerics.scalars_written_together)(tree)
+    [stacked] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
+    assert stacked.outvars[0].aval.shape == (5,)  # scale, nan, tiny, count, bits
+
+
+def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes(on_a_gpu):
+    """Inside `shard_map`, a scalar that varies over the devices and one that does not are
+    stacked apart, and each comes back with its own type."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+
+    def body(x):
+        varying = jnp.sum(x).astype(jnp.int32)
+        tree = {"a": jnp.float32(1.5), "b": jnp.int32(4), "c": varying, "d": varying * 2}
+        out = _numerics.scalars_written_together(tree)
+        for name in tree:
+            assert jax.typeof(out[name]) == jax.typeof(tree[name]), name
+        return jnp.stack([out["a"].astype(jnp.int32), out["b"], out["c"], out["d"]])[None]
+
+    spec = jax.sharding.PartitionSpec("d")
+    result = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(jnp.arange(4.0))
+    np.testing.assert_array_equal(result, [[1, 4, 1, 2], [1, 4, 5, 10]])
