@@ -120,7 +120,7 @@ def test_nnx_float16_gpt_train_step_with_donation():
     losses, scales = [], []
     for poison in POISONED:
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))  # donated by the step
-        losses.append(float(nnx_train_step(model, optimizer, tokens, targets, poison)))
+        losses.append(float(nnx_train_step(model, optimizer, tokens, targets, jnp.asarray(poison))))
         scales.append(float(jls.get_loss_scale(optimizer)))
         if poison:  # skipped: every param bit for bit as before
             chex.assert_trees_all_equal(bits(nnx.state(model, nnx.Param)), bits(before))
@@ -142,7 +142,7 @@ def test_nnx_lookups_work_on_the_optimizer_its_opt_state_and_its_nnx_state():
     optimizer = nnx.Optimizer(model, jls.loss_scaled(optax.adam(1e-3), loss_scale()), wrt=nnx.Param)
     tokens, targets = batch()
     for poison in (False, True):
-        nnx_train_step(model, optimizer, tokens, targets, poison)
+        nnx_train_step(model, optimizer, tokens, targets, jnp.asarray(poison))
     _, split_state = nnx.split((model, optimizer))
     expected = jls.LossScaleStats(
         loss_scale=jnp.float32(512.0),
@@ -184,7 +184,7 @@ def test_nnx_functional_split_merge_step_with_donation():
     tokens, targets = batch()
     scales = []
     for poison in POISONED:
-        state, _ = step(graphdef, state, tokens, targets, poison)
+        state, _ = step(graphdef, state, tokens, targets, jnp.asarray(poison))
         scales.append(float(jls.get_loss_scale(state)))
     assert scales == EXPECTED_SCALES
 
@@ -207,7 +207,7 @@ def test_nnx_bfloat16_params_with_float32_gradients():
     scales = []
     for poison in [True, *POISONED[1:]]:  # the very first step skipped, then one later
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-        step(model, optimizer, tokens, targets, poison)
+        step(model, optimizer, tokens, targets, jnp.asarray(poison))
         scales.append(float(jls.get_loss_scale(optimizer)))
         if poison:
             chex.assert_trees_all_equal(bits(nnx.state(model, nnx.Param)), bits(before))
@@ -310,7 +310,7 @@ def test_equinox_float16_gpt_train_step_with_donation(params_of):
     losses, scales = [], []
     for poison in POISONED:
         before = jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_array))
-        model, opt_state, loss = step((tokens, targets, poison), model, opt_state)
+        model, opt_state, loss = step((tokens, targets, jnp.asarray(poison)), model, opt_state)
         losses.append(float(loss))
         scales.append(float(jls.get_loss_scale(opt_state)))
         if poison:
@@ -359,7 +359,7 @@ def test_nnx_bfloat16_params_with_nesterov_sgd():
     for poison in POISONED:
         kept = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state).inner_state)
         before = jax.tree.map(jnp.copy, kept)  # donated by the step
-        losses.append(float(nnx_train_step(model, optimizer, tokens, targets, poison)))
+        losses.append(float(nnx_train_step(model, optimizer, tokens, targets, jnp.asarray(poison))))
         scales.append(float(jls.get_loss_scale(optimizer)))
         after = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state).inner_state)
         if poison:
@@ -384,7 +384,7 @@ def test_equinox_float16_gpt_with_nesterov_sgd():
     losses, scales = [], []
     for poison in POISONED:
         before = jax.tree.map(jnp.copy, (eqx.filter(model, eqx.is_array), opt_state.inner_state))
-        model, opt_state, loss = step((tokens, targets, poison), model, opt_state)
+        model, opt_state, loss = step((tokens, targets, jnp.asarray(poison)), model, opt_state)
         losses.append(float(loss))
         scales.append(float(jls.get_loss_scale(opt_state)))
         if poison:
