@@ -43,9 +43,10 @@ def pytest_configure(config):
 
 
 # The files whose tests take longest (`pytest --durations=0`, summed per file), first. With
-# `--dist loadfile` pytest-xdist hands each worker one file at a time, in collection order, so a
-# long file handed out last keeps one worker busy while the other has nothing left: first, the
-# long files spread over the workers and the short ones fill in at the end. Order only.
+# `--dist loadfile --no-loadscope-reorder` pytest-xdist hands each worker one file at a time, in
+# collection order (by default it would hand out the files with the most tests first), so a long
+# file handed out last keeps one worker busy while the other has nothing left: first, the long
+# files spread over the workers and the short ones fill in at the end. Order only.
 LONGEST_FILES = (
     "test_benchmarks.py",
     "test_integrations.py",
@@ -59,6 +60,10 @@ LONGEST_FILES = (
     "test_numerics.py",
     "test_spikes.py",
     "test_train_steps.py",
+    "test_demo.py",
+    "test_checkpoint.py",
+    "test_distributed.py",
+    "test_gpu_program.py",
 )
 
 
