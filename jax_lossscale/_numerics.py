@@ -420,6 +420,7 @@ def _written_together(tree: PyTree) -> PyTree:
             and aval.ndim == 0
             and aval.dtype.itemsize == 4
             and aval.dtype != jnp.bool_
+            and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
             and not aval.weak_type
         ):
             groups.setdefault(getattr(aval, "manual_axis_type", None), []).append(index)

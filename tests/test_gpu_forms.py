@@ -158,6 +158,7 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gp
         "flag": jnp.bool_(True),
         "vector": jnp.arange(3.0),
         "weak": jnp.asarray(2.0),  # weakly typed: left out, its type would come back strong
+        "key": jax.random.key(0),
         "none": None,
     }
     out = jax.jit(_numerics.scalars_written_together)(tree)
@@ -165,6 +166,8 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gp
     for name, leaf in tree.items():
         if leaf is not None:
             assert jax.typeof(out[name]) == jax.typeof(leaf), name
+            if name == "key":
+                leaf, out = jax.random.key_data(leaf), {**out, name: jax.random.key_data(out[name])}
             assert_bits_equal(out[name], leaf)
     jaxpr = jax.make_jaxpr(_numerics.scalars_written_together)(tree)
     [stacked] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
@@ -187,3 +190,62 @@ def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes(on
     spec = jax.sharding.PartitionSpec("d")
     result = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(jnp.arange(4.0))
     np.testing.assert_array_equal(result, [[1, 4, 1, 2], [1, 4, 5, 10]])
+
+
+def _pmapped_spike_run():
+    """A pmap'ed adamw step over 2 devices, with spike skipping (the loss passed as `value`):
+    finite steps, a NaN on one device, more finite steps (the windows fill), then a finite
+    spike of 100x the norm and the loss."""
+    tx = jls.loss_scaled(
+        optax.adamw(1e-2),
+        jls.DynamicLossScale(initial_loss_scale=2.0**4, increment_period=3),
+        axis_name="d",
+        skip_spike_sigmas=3.0,
+        spike_window=8,
+    )
+
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    stepped = jax.pmap(step, axis_name="d", devices=jax.devices()[:2])
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.standard_normal((2, 700)), jnp.float32), "b": jnp.zeros((2, 3))}
+    state = jax.pmap(tx.init, devices=jax.devices()[:2])(params)
+    history = []
+    for index in range(12):
+        noise = rng.standard_normal((2, 700)).astype(np.float32)
+        grads = {"w": noise * 2.0**4, "b": np.ones((2, 3), np.float32) * 2.0**4}
+        if index == 5:
+            grads["w"][1, 9] = np.nan  # on the second device only
+        if index == 11:
+            grads = jax.tree.map(lambda g: g * 100.0, grads)
+        loss = np.full(2, 1.0 + 0.01 * index + (99.0 if index == 11 else 0.0), np.float32)
+        params, state = stepped(params, state, grads, loss)
+        history.append((params, state))
+    return history
+
+
+def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_form():
+    """The GPU form under `pmap` with spike skipping and adamw: the same decisions, scales,
+    counts and window positions as the CPU form on every step, both devices agreeing; the
+    norms, windows and params to float32 rounding (the norm is summed in another order)."""
+    cpu = _pmapped_spike_run()
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (_numerics, _branches, _loss_scaled):
+            patch.setattr(module, "on_gpu", _gpu_form)
+        gpu = _pmapped_spike_run()
+    applied = [bool(state.stats.last_step_applied[0]) for _, state in gpu]
+    assert applied == [True] * 5 + [False] + [True] * 5 + [False]
+    last = gpu[-1][1].stats
+    assert (int(last.nan_skipped_steps[1]), int(last.spike_skipped_steps[1])) == (1, 1)
+    for (gpu_params, gpu_state), (cpu_params, cpu_state) in zip(gpu, cpu, strict=True):
+        assert_bits_equal(gpu_state.loss_scale_state, cpu_state.loss_scale_state)
+        assert_bits_equal(gpu_state.stats[1:], cpu_state.stats[1:])  # after grad_norm
+        assert_bits_equal(gpu_state.inner_state[0].count, cpu_state.inner_state[0].count)
+        for gpu_leaf, cpu_leaf in zip(
+            jax.tree.leaves((gpu_params, gpu_state)),
+            jax.tree.leaves((cpu_params, cpu_state)),
+            strict=True,
+        ):
+            np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-5, atol=1e-7)
