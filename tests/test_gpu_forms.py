@@ -249,3 +249,63 @@ def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_fo
             strict=True,
         ):
             np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-5, atol=1e-7)
+
+
+def _bf16_kahan_run(steps=200):
+    """bfloat16 params under `loss_scaled(chain(adamw, kahan_summation()))`, the step jitted
+    with params and state donated, the scale given as a jnp array; a NaN batch every 50th
+    step. Returns the params and state after each step, and the params before each NaN step."""
+    tx = jls.loss_scaled(
+        optax.chain(optax.adamw(1e-3), jls.kahan_summation()),
+        jls.DynamicLossScale(initial_loss_scale=jnp.float32(2.0**10), increment_period=20),
+    )
+
+    def step(params, state, batch):
+        scale = jls.get_loss_scale(state)
+        grads = jax.grad(lambda p: jnp.sum((p["w"].astype(jnp.float32) * batch) ** 2) * scale)(
+            params
+        )
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    stepped = jax.jit(step, donate_argnums=(0, 1))
+    params = {"w": jnp.linspace(-1.0, 1.0, 600, dtype=jnp.bfloat16)}
+    state = tx.init(params)
+    rng = np.random.default_rng(7)
+    decisions, scales, kept = [], [], []
+    for index in range(steps):
+        batch = rng.standard_normal(600).astype(np.float32)
+        if index % 50 == 49:
+            batch[index % 600] = np.nan
+            before = np.array(params["w"])
+        params, state = stepped(params, state, batch)
+        decisions.append(bool(state.stats.last_step_applied))
+        scales.append(float(jls.get_loss_scale(state)))
+        if index % 50 == 49:
+            kept.append(
+                np.array_equal(np.array(params["w"]).view(np.uint16), before.view(np.uint16))
+            )
+    assert stepped._cache_size() == 1  # the state comes back with the types it went in
+    return params, state, decisions, scales, kept
+
+
+def test_bfloat16_weights_with_kahan_summation_on_a_gpu_over_200_donated_steps():
+    """The GPU form with bfloat16 weights inside `loss_scaled`: every NaN batch skipped with
+    the weights kept bit for bit, and the CPU form's decisions, scales and counts exactly;
+    the weights and their float32 buffers to within one bfloat16 rounding."""
+    cpu = _bf16_kahan_run()
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (_numerics, _branches, _loss_scaled):
+            patch.setattr(module, "on_gpu", _gpu_form)
+        gpu = _bf16_kahan_run()
+    params, state, decisions, scales, kept = gpu
+    assert decisions == cpu[2]
+    assert [index for index, applied in enumerate(decisions) if not applied] == [49, 99, 149, 199]
+    assert scales == cpu[3]
+    assert kept == [True] * 4
+    assert params["w"].dtype == jnp.bfloat16
+    assert_bits_equal(state.loss_scale_state, cpu[1].loss_scale_state)
+    assert_bits_equal(state.stats[1:], cpu[1].stats[1:])
+    np.testing.assert_allclose(
+        np.asarray(params["w"], np.float32), np.asarray(cpu[0]["w"], np.float32), rtol=2**-7
+    )
