@@ -321,21 +321,27 @@ def _single_device_reference(x, y):
     return WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), x, y)
 
 
-def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
-    n = jax.device_count()
-    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
+def _data_parallel_step(tx):
+    """One device's step over the "data" axis: its loss is its share of the whole batch's
+    mean, the params' gradients are summed, and the meta leaves are left to `loss_scaled`,
+    which combines them by max."""
 
-    @functools.partial(jax.pmap, axis_name="data", in_axes=(None, None, 0, 0))
     def step(variables, opt_state, x, y):
-        # Each device's loss is its share of the whole batch's mean: the params' gradients
-        # are summed; the meta leaves are left to loss_scaled, which combines them by max.
-        def loss(v):
-            return jnp.sum((MODEL.apply(v, x) - y) ** 2) / X.shape[0]
+        def loss(variables):
+            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / X.shape[0]
 
         _, grads = jls.value_and_grad(loss, opt_state)(variables)
         grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
         updates, opt_state = tx.update(grads, opt_state, variables)
         return optax.apply_updates(variables, updates), opt_state
+
+    return step
+
+
+def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
+    n = jax.device_count()
+    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
+    step = jax.pmap(_data_parallel_step(tx), axis_name="data", in_axes=(None, None, 0, 0))
 
     shards = X.reshape(n, -1, 8), Y.reshape(n, -1, 1)
     replicas, opt_states = step(initial_variables(), tx.init(initial_variables()), *shards)
@@ -662,19 +668,9 @@ def _shard_map_step(check_vma):
     """A data-parallel step under `shard_map` over every device, as docs/distributed.md has it."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
-
-    def step(variables, opt_state, x, y):
-        def loss(variables):
-            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / X.shape[0]
-
-        _, grads = jls.value_and_grad(loss, opt_state)(variables)
-        grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
-        updates, opt_state = tx.update(grads, opt_state, variables)
-        return optax.apply_updates(variables, updates), opt_state
-
     replicated, batch = PartitionSpec(), PartitionSpec("data")
     mapped = jax.shard_map(
-        step,
+        _data_parallel_step(tx),
         mesh=mesh,
         in_specs=(replicated, replicated, batch, batch),
         out_specs=(replicated, replicated),
