@@ -17,18 +17,21 @@ GPT_CONTENDERS = [
 ]  # fmt: skip
 
 
-# A GPT of one block (22 leaves): the runner's GPT case compiles each contender twice, and
-# XLA's compile time grows with the blocks. The sizes the README names are checked below.
-TINY_GPT = gpt.Size(layers=1, width=32, heads=2, seq=32, batch=1)
+# A GPT of no block (6 leaves: the embeddings, the final LayerNorm, the output projection):
+# the runner's GPT case and the contenders' test below compile each of the 7 contenders, and
+# XLA's compile time grows with the blocks (about 2 s a contender with one block). Blocks train
+# in tests/test_integrations.py and tests/test_value_and_grad.py; the sizes the README names
+# are checked below.
+TINY_GPT = gpt.Size(layers=0, width=32, heads=2, seq=32, batch=1)
 
 
 def test_runner_writes_every_case_as_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(gpt.SIZES, "22 leaves", TINY_GPT)
+    monkeypatch.setitem(gpt.SIZES, "6 leaves", TINY_GPT)
     path = tmp_path / "results.json"
     argv = [
         "--optimizers", "adam", "--sizes", "4K", "--leaves", "4", "--repeats", "2", "--block", "2",
         "--compile-leaves", "8,16", "--compile-repeats", "1", "--mlp-width", "16",
-        "--mlp-depth", "2", "--mlp-batch", "4", "--gpt-sizes", "22 leaves", "--gpt-batch", "1",
+        "--mlp-depth", "2", "--mlp-batch", "4", "--gpt-sizes", "6 leaves", "--gpt-batch", "1",
         "--json", str(path),
     ]  # fmt: skip
     results = run.main(argv)
@@ -53,8 +56,8 @@ def test_runner_writes_every_case_as_json(tmp_path, capsys, monkeypatch):
             assert all(value > 0 for value in row["values"].values())
     for case in ("gpt_step", "gpt_compile", "gpt_memory"):
         [row] = results["cases"][case]
-        assert row["optimizer"] == "adamw, 22 leaves"
-        assert row["leaves"] == 22
+        assert row["optimizer"] == "adamw, 6 leaves"
+        assert row["leaves"] == 6
         assert list(row["values"]) == GPT_CONTENDERS
         assert list(row["ratio_to_bare"]) == GPT_CONTENDERS
         assert row["ratio_to_bare"]["bare"] == 1.0
@@ -94,8 +97,8 @@ def test_the_default_json_path_names_the_platform(tmp_path, monkeypatch):
 
 def test_every_gpt_contender_trains_alike_and_the_skipping_ones_skip_a_non_finite_step():
     """From the same model, two finite batches, then one whose first token is out of the
-    vocabulary: `nnx.Embed` (`jnp.take`, mode "fill") embeds it as NaN, which attention
-    spreads to every logit, so the loss and every gradient are NaN. Every contender that
+    vocabulary: `nnx.Embed` (`jnp.take`, mode "fill") embeds it as NaN, so that
+    position's logits, the loss and the output projection's gradients are NaN. Every contender that
     skips non-finite steps (all but bare adamw and a `FixedLossScale`, which applies them by
     design) keeps the model bit-identical across that step; on the finite steps, the
     losses of all contenders agree to float16 rounding."""
@@ -162,7 +165,7 @@ def test_the_gpu_case_set_runs_every_contender_pipelined_and_per_call(tmp_path, 
     optimizer step is sgd's, which that test leaves out.)"""
     path = tmp_path / "gpu.json"
     argv = [
-        "--gpu", "--optimizers", "sgd", "--gpu-cells", "4K/4", "--gpu-gpt", "1x32x32x1x2",
+        "--gpu", "--optimizers", "sgd", "--gpu-cells", "4K/4", "--gpu-gpt", "0x32x32x1x2",
         "--gpu-sweep=-8,15", "--gpu-pipeline", "2", "--gpu-rounds", "1", "--json", str(path),
     ]  # fmt: skip
     results = run.main(argv)

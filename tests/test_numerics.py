@@ -254,8 +254,9 @@ def test_shard_map_all_finite_with_axis_name(jit_or_eager, mesh, bad_device, val
     assert result.dtype == jnp.bool_
     assert result.shape == ()
     assert bool(result) is (bad_device is None)
+    # Eager shard_map runs op by op on 8 devices (seconds); this layout is checked under jit only.
     np.testing.assert_array_equal(
-        jit_or_eager(per_device_out, grads), np.full((N_DEVICES,), bad_device is None)
+        jax.jit(per_device_out)(grads), np.full((N_DEVICES,), bad_device is None)
     )
 
 
@@ -330,11 +331,11 @@ JOIN_DTYPES = [np.float32, jnp.bfloat16, np.float16, jnp.float8_e4m3fn, np.compl
 
 
 def join_tree() -> dict[str, np.ndarray]:
-    """300 small leaves of five dtypes, in more than one group, and two large ones."""
+    """40 small leaves of five dtypes, in more than one group, and two large ones."""
     rng = np.random.default_rng(0)
     tree = {
         f"s{i:03d}": rng.normal(size=(int(rng.integers(1, 600)),)).astype(JOIN_DTYPES[i % 5])
-        for i in range(300)
+        for i in range(40)
     }
     tree["big"] = rng.normal(size=(70, 100)).astype(np.float32)
     tree["big16"] = rng.normal(size=(5000,)).astype(np.float16)
@@ -348,7 +349,7 @@ def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
     tree = join_tree()
     one_device = jax.devices()[5]
     check = jax.jit(lambda t: (jls.all_finite(t), check_gradients(t, None).has_nan))
-    for key in ["s000", "s001", "s004", "s137", "s299", "big", "big16"]:
+    for key in ["s000", "s001", "s004", "s017", "s039", "big", "big16"]:
         for value in ["nan", "inf", "-inf", None]:
             t = dict(tree)
             if value is not None:
@@ -358,7 +359,7 @@ def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
             finite_, has_nan = check(jax.device_put(t, one_device))
             assert bool(finite_) is (value is None), (key, value)
             assert bool(has_nan) is (value == "nan"), (key, value)
-    # 302 leaves (60 of them complex, so 362 parts): two alone, the small ones in 4 groups,
+    # 42 leaves (8 of them complex, so 50 parts): two alone, the small ones in 4 groups,
     # one per dtype (the complex leaves' parts join the float32 ones); one pass each.
     for placed in (tree, jax.device_put(tree, one_device)):
         jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(placed))
