@@ -140,9 +140,18 @@ def contenders() -> dict[str, Callable[[], optax.GradientTransformation]]:
 
 def train_state(size: Size, vocab: int, tx: optax.GradientTransformation) -> tuple[Any, Any]:
     """`(graphdef, state)` of the model and its `nnx.Optimizer`, split for `jax.jit`."""
+    return nnx.split(_model_and_optimizer(size, vocab, tx))
+
+
+def train_state_shapes(size: Size, vocab: int, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+    """`train_state` with `jax.ShapeDtypeStruct` leaves, nothing initialised: enough to lower,
+    compile or count, and a fraction of a second where initialising takes seconds."""
+    return nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(size, vocab, tx)))
+
+
+def _model_and_optimizer(size: Size, vocab: int, tx: optax.GradientTransformation) -> tuple:
     model = GPT(size, vocab, nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    return nnx.split((model, optimizer))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def train_step_of(graphdef: Any, scaled: bool) -> Callable:

@@ -139,7 +139,10 @@ def test_nnx_float16_gpt_train_step_with_donation():
 
 def test_nnx_lookups_work_on_the_optimizer_its_opt_state_and_its_nnx_state():
     model = NnxGPT(nnx.Rngs(1))
-    optimizer = nnx.Optimizer(model, jls.loss_scaled(optax.adam(1e-3), loss_scale()), wrt=nnx.Param)
+    # The optimizer of the test above: the same program, compiled once in a run.
+    optimizer = nnx.Optimizer(
+        model, jls.loss_scaled(adamw_with_schedule(), loss_scale()), wrt=nnx.Param
+    )
     tokens, targets = batch()
     for poison in (False, True):
         nnx_train_step(model, optimizer, tokens, targets, jnp.asarray(poison))
