@@ -288,7 +288,7 @@ def test_check_not_stuck_names_the_float16_fp8_layer_that_overflows():
             updates, opt_state = tx.update(grads, opt_state, variables)
             return optax.apply_updates(variables, updates), opt_state, jls.count_non_finite(grads)
 
-        variables = model.init(jax.random.key(0), x)
+        variables = jax.jit(model.init)(jax.random.key(0), x)  # one program, not op by op
         opt_state = tx.init(variables)
         for _ in range(8):
             variables, opt_state, counts = step(variables, opt_state)

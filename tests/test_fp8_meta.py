@@ -47,7 +47,7 @@ X_INF = X.at[0, 0].set(jnp.inf)  # one bad pixel: fp8 casts saturate, the loss s
 def initial_variables():
     """The model's initial variables, made at the first test that needs them, not at import."""
     with pytest.warns(DeprecationWarning, match="Fp8DotGeneralOp is deprecated"):
-        return MODEL.init(jax.random.key(0), X)
+        return jax.jit(MODEL.init)(jax.random.key(0), X)  # one program, not op by op
 
 
 KERNEL_AMAX = 0.779305636882782  # max |kernel| of the first layer
@@ -215,7 +215,8 @@ def test_whole_tree_equals_the_train_state_route_on_clean_steps():
             np.testing.assert_array_equal(new_a[close], new_b[close])
     assert float(_layer(b)["input_amax_history"][0]) == np.float32(3 * INPUT_AMAX)
     # The norm of the last step is its params' gradients' alone, unscaled.
-    _, grads = jls.value_and_grad(_loss, jnp.float32(SCALE))(old, x, Y)
+    gradients = jax.jit(lambda v, x, scale: jls.value_and_grad(_loss, scale)(v, x, Y)[1])
+    grads = gradients(old, x, jnp.float32(SCALE))
     np.testing.assert_allclose(
         jls.get_loss_scale_stats(b_state).grad_norm,
         optax.tree.norm(grads["params"]) / SCALE,
@@ -603,7 +604,7 @@ def _long_run(steps, loss_dtype, initial_scale):
     scale = jls.DynamicLossScale(initial_scale, increment_period=20)
     tx = jls.loss_scaled(optax.adam(3e-3), scale)
     x0 = jax.random.normal(jax.random.key(3), (16, 4))
-    variables = TinyMLP().init(jax.random.key(0), x0)
+    variables = jax.jit(TinyMLP().init)(jax.random.key(0), x0)
     w_true = jnp.array([[1.0], [-2.0], [0.5], [1.5]])
 
     def body(carry, k):

@@ -89,7 +89,7 @@ class _LinenNet(nn.Module):
 
 def test_flax_linen_batch_stats_are_kept_on_a_skipped_step():
     net, tx = _LinenNet(), _tx()
-    variables = net.init(jax.random.key(1), X, train=False)
+    variables = jax.jit(net.init, static_argnames="train")(jax.random.key(1), X, train=False)
     params, batch_stats = variables["params"], variables["batch_stats"]
     opt_state = tx.init(params)
 
