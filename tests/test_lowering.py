@@ -245,13 +245,18 @@ def _tx(variant: str, optimizer: str) -> optax.GradientTransformation:
 
 
 @functools.cache
-def synthetic_lowered(variant: str, optimizer: str, platform: str) -> str:
-    """The donated synthetic step, lowered for `platform`, as StableHLO text."""
+def _synthetic_traced(variant: str, optimizer: str):
+    """The donated synthetic step, traced once for every platform it is lowered for."""
     tx = _tx(variant, optimizer)
     params = _params()
     step = jax.jit(_optimizer_step(tx, variant != "bare"), donate_argnums=(0, 1))
-    traced = step.trace(params, jax.eval_shape(tx.init, params), params, jnp.float32(2.0))
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    return step.trace(params, jax.eval_shape(tx.init, params), params, jnp.float32(2.0))
+
+
+@functools.cache
+def synthetic_lowered(variant: str, optimizer: str, platform: str) -> str:
+    """The donated synthetic step, lowered for `platform`, as StableHLO text."""
+    return _synthetic_traced(variant, optimizer).lower(lowering_platforms=(platform,)).as_text()
 
 
 @functools.cache
@@ -395,11 +400,7 @@ def test_xla_folds_only_the_fixed_loss_scales_conditional(variant, optimizer):
     """Compiled by XLA (on CPU, single device): under adam the FixedLossScale step has no
     conditional left and every other loss-scaled step one, the skip; under sgd no step has
     one, the skip being selects and the NaN flag a by-product of the finite check."""
-    tx = _tx(variant, optimizer)
-    params = _params()
-    step = jax.jit(_optimizer_step(tx, variant != "bare"), donate_argnums=(0, 1))
-    state = jax.eval_shape(tx.init, params)
-    compiled = step.lower(params, state, params, jnp.float32(2.0)).compile().as_text()
+    compiled = _synthetic_traced(variant, optimizer).lower().compile().as_text()
     opcodes = [opcode for _, opcode, _, _ in hlo_collectives(compiled)]
     skips_by_cond = optimizer == "adam" and variant not in ("bare", "FixedLossScale")
     assert opcodes.count("conditional") == (1 if skips_by_cond else 0)
