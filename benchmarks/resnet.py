@@ -204,13 +204,20 @@ def jls_step(model, tx, state, batch):
 def replicate(tree: Any, devices: Sequence[jax.Device]) -> Any:
     """One copy of `tree` on each device, as a pmap'ed step takes and returns it."""
     stacked = jax.tree.map(lambda x: np.broadcast_to(x, (len(devices), *np.shape(x))), tree)
-    return jax.pmap(lambda x: x, axis_name=AXIS, devices=devices)(stacked)
+    return _placed_over(tuple(devices))(stacked)
 
 
 def shard(tree: Any, devices: Sequence[jax.Device]) -> Any:
     """Split the leading axis of every leaf of `tree` over the devices."""
     split = jax.tree.map(lambda x: x.reshape(len(devices), -1, *x.shape[1:]), tree)
-    return jax.pmap(lambda x: x, axis_name=AXIS, devices=devices)(split)
+    return _placed_over(tuple(devices))(split)
+
+
+@functools.cache
+def _placed_over(devices: tuple[jax.Device, ...]) -> Any:
+    """The identity, pmap'ed over `devices`: one per device set, so that a tree placed twice
+    is traced and compiled once."""
+    return jax.pmap(lambda x: x, axis_name=AXIS, devices=devices)
 
 
 @functools.lru_cache
@@ -289,7 +296,7 @@ def scale_of(contender: str, state: dict) -> float:
 
 def parameter_count(state: dict) -> tuple[int, int]:
     leaves = jax.tree.leaves(state["params"])
-    return sum(leaf[0].size for leaf in leaves), len(leaves)
+    return sum(int(np.prod(leaf.shape[1:])) for leaf in leaves), len(leaves)  # one replica's
 
 
 # --- the benchmark --------------------------------------------------------------------------
