@@ -405,7 +405,8 @@ def scalars_written_together(tree: PyTree) -> PyTree:
     (one kernel computes them all), which a barrier keeps XLA from taking apart again, and
     each is read back out with `max(b, b >> 1)`, which is `b` for unsigned bits but is an
     elementwise operation, so that XLA writes them all in one more kernel. Other platforms
-    get `tree` as it is; weakly typed leaves stay out, since the bits come back strong.
+    get `tree` as it is; weakly typed leaves stay out, since the bits come back strong, and so
+    do PRNG keys.
     """
     return on_gpu(_written_together, lambda tree: tree, tree)
 
@@ -419,7 +420,6 @@ def _written_together(tree: PyTree) -> PyTree:
             aval is not None
             and aval.ndim == 0
             and aval.dtype.itemsize == 4
-            and aval.dtype != jnp.bool_
             and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
             and not aval.weak_type
         ):
