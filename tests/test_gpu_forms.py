@@ -24,10 +24,21 @@ def _gpu_form(gpu, other, *args):
     return gpu(*args)
 
 
+def _take_the_gpu_form(patch: pytest.MonkeyPatch) -> None:
+    for module in (_numerics, _branches, _loss_scaled):
+        patch.setattr(module, "on_gpu", _gpu_form)
+
+
+def in_the_gpu_form(run, *args):
+    """`run(*args)` with every choice of form taking the GPU's."""
+    with pytest.MonkeyPatch.context() as patch:
+        _take_the_gpu_form(patch)
+        return run(*args)
+
+
 @pytest.fixture
 def on_a_gpu(monkeypatch):
-    for module in (_numerics, _branches, _loss_scaled):
-        monkeypatch.setattr(module, "on_gpu", _gpu_form)
+    _take_the_gpu_form(monkeypatch)
 
 
 def test_square_sum_is_the_squared_norm_and_keeps_nan_and_inf():
@@ -124,10 +135,7 @@ def test_adam_on_a_gpu_gives_what_the_cpu_form_gives():
     cpu_history, step = _adam_run(_adam_grads())
     args = (*jax.tree.map(jnp.asarray, cpu_history[0][:2]), _adam_grads()[0])
     assert "conditional(" in step.lower(*args).compile().as_text()
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (_numerics, _branches, _loss_scaled):
-            patch.setattr(module, "on_gpu", _gpu_form)
-        gpu_history, _ = _adam_run(_adam_grads())
+    gpu_history, _ = in_the_gpu_form(_adam_run, _adam_grads())
     for cpu, gpu in zip(cpu_history, gpu_history, strict=True):
         assert_bits_equal(gpu[1].loss_scale_state, cpu[1].loss_scale_state)
         assert_bits_equal(gpu[1].stats[1:], cpu[1].stats[1:])  # after grad_norm
@@ -166,9 +174,10 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gp
     for name, leaf in tree.items():
         if leaf is not None:
             assert jax.typeof(out[name]) == jax.typeof(leaf), name
+            got, expected = out[name], leaf
             if name == "key":
-                leaf, out = jax.random.key_data(leaf), {**out, name: jax.random.key_data(out[name])}
-            assert_bits_equal(out[name], leaf)
+                got, expected = jax.random.key_data(got), jax.random.key_data(expected)
+            assert_bits_equal(got, expected)
     jaxpr = jax.make_jaxpr(_numerics.scalars_written_together)(tree)
     [stacked] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
     assert stacked.outvars[0].aval.shape == (5,)  # scale, nan, tiny, count, bits
@@ -231,10 +240,7 @@ def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_fo
     counts and window positions as the CPU form on every step, both devices agreeing; the
     norms, windows and params to float32 rounding (the norm is summed in another order)."""
     cpu = _pmapped_spike_run()
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (_numerics, _branches, _loss_scaled):
-            patch.setattr(module, "on_gpu", _gpu_form)
-        gpu = _pmapped_spike_run()
+    gpu = in_the_gpu_form(_pmapped_spike_run)
     applied = [bool(state.stats.last_step_applied[0]) for _, state in gpu]
     assert applied == [True] * 5 + [False] + [True] * 5 + [False]
     last = gpu[-1][1].stats
@@ -294,10 +300,7 @@ def test_bfloat16_weights_with_kahan_summation_on_a_gpu_over_200_donated_steps()
     the weights kept bit for bit, and the CPU form's decisions, scales and counts exactly;
     the weights and their float32 buffers to within one bfloat16 rounding."""
     cpu = _bf16_kahan_run()
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (_numerics, _branches, _loss_scaled):
-            patch.setattr(module, "on_gpu", _gpu_form)
-        gpu = _bf16_kahan_run()
+    gpu = in_the_gpu_form(_bf16_kahan_run)
     params, state, decisions, scales, kept = gpu
     assert decisions == cpu[2]
     assert [index for index, applied in enumerate(decisions) if not applied] == [49, 99, 149, 199]
