@@ -143,15 +143,27 @@ def train_state(size: Size, vocab: int, tx: optax.GradientTransformation) -> tup
     return nnx.split(_model_and_optimizer(size, vocab, tx))
 
 
-def train_state_shapes(size: Size, vocab: int, tx: optax.GradientTransformation) -> tuple[Any, Any]:
-    """`train_state` with `jax.ShapeDtypeStruct` leaves, nothing initialised: enough to lower,
-    compile or count, and a fraction of a second where initialising takes seconds."""
-    return nnx.split(nnx.eval_shape(lambda: _model_and_optimizer(size, vocab, tx)))
-
-
 def _model_and_optimizer(size: Size, vocab: int, tx: optax.GradientTransformation) -> tuple:
     model = GPT(size, vocab, nnx.Rngs(0))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def shapes_of_build(build: Callable[..., tuple[Any, Any]], *args: Any) -> tuple[Any, Any]:
+    """`build(*args)`, a `(step or graphdef, state)` pair, traced rather than run: the first
+    as built, the state as `jax.ShapeDtypeStruct`s. Nothing is initialised: enough to lower,
+    compile or count, in a fraction of a second where initialising takes seconds.
+
+    `shapes_of_build(train_state, size, vocab, tx)`, or a contender's `build`.
+    """
+    firsts: list[Any] = []
+
+    def state_of_build():
+        first, state = build(*args)
+        firsts.append(first)
+        return state
+
+    state = jax.eval_shape(state_of_build)
+    return firsts[0], state
 
 
 def train_step_of(graphdef: Any, scaled: bool) -> Callable:

@@ -170,24 +170,10 @@ def gpt_steps(size: Any, names: Sequence[str] = ("bare", "DynamicLossScale")) ->
     inputs = jax.ShapeDtypeStruct((size.batch, size.seq), jax.numpy.int32)
     programs = {}
     for name in names:
-        step, state = _built_for_shapes(contenders[name].build, size, vocab)
+        step, state = gpt.shapes_of_build(contenders[name].build, size, vocab)
         compiled = compile_for_h100(step, state, inputs, inputs, donate_argnums=0)
         programs[name] = gpu_program(compiled)
     return programs
-
-
-def _built_for_shapes(build: Callable, size: Any, vocab: int) -> tuple[Callable, Any]:
-    """`build(size, vocab)`'s step, and its state as `jax.ShapeDtypeStruct`s: the build is
-    traced, so nothing is initialised."""
-    steps: list[Callable] = []
-
-    def state_of_build():
-        step, state = build(size, vocab)
-        steps.append(step)
-        return state
-
-    state = jax.eval_shape(state_of_build)
-    return steps[0], state
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -94,7 +94,9 @@ def counts_of_steps(size: int, leaves: int, gpt_size: str | None) -> dict[str, d
         tokens, vocab = gpt.stdlib_text(max_bytes=200_000)
         inputs, targets = next(gpt.batches(tokens, gpt.SIZES[gpt_size]))
         for name, make_tx in gpt.contenders().items():
-            graphdef, state = gpt.train_state_shapes(gpt.SIZES[gpt_size], vocab, make_tx())
+            graphdef, state = gpt.shapes_of_build(
+                gpt.train_state, gpt.SIZES[gpt_size], vocab, make_tx()
+            )
             step = gpt.train_step_of(graphdef, name != "bare")
             compiled = jax.jit(step, donate_argnums=0).lower(state, inputs, targets).compile()
             results[f"gpt {gpt_size} / adamw / {name}"] = op_counts(compiled)

@@ -268,7 +268,7 @@ def _gpt_traced(variant: str):
         return optax.adamw(optax.linear_schedule(1e-3, 1e-4, 10_000), weight_decay=0.01)
 
     tx = adamw() if variant == "bare" else LOSS_SCALES[variant](adamw())
-    graphdef, state = gpt.train_state_shapes(size, 96, tx)
+    graphdef, state = gpt.shapes_of_build(gpt.train_state, size, 96, tx)
     tokens = jax.ShapeDtypeStruct((size.batch, size.seq), jnp.int32)
     step = jax.jit(gpt.train_step_of(graphdef, variant != "bare"), donate_argnums=0)
     return step.trace(state, tokens, tokens)
