@@ -11,6 +11,7 @@ import pytest
 from jax_lossscale import demo
 
 STEPS = 1000
+SHORT = 50  # steps of the runs that check what is printed and what a seed changes
 INSTALL_HINT = 'Install the demo extra: pip install -e ".[demo]"'
 
 
@@ -113,13 +114,13 @@ def test_plot_writes_a_png(results, plot_path):
 
 
 def test_module_prints_progress_and_the_summary_table(monkeypatch, capsys):
-    # `python -m jax_lossscale.demo`, run in this process as `-m` runs it: as many steps as the
-    # other tests, so that it finds their programs compiled
-    monkeypatch.setattr(sys, "argv", ["demo", "--steps", str(STEPS)])
+    # `python -m jax_lossscale.demo`, run in this process as `-m` runs it: as few steps as the
+    # seed's test below, which then finds the programs compiled (the steps are static)
+    monkeypatch.setattr(sys, "argv", ["demo", "--steps", str(SHORT)])
     monkeypatch.delitem(sys.modules, "jax_lossscale.demo")
     runpy.run_module("jax_lossscale.demo", run_name="__main__", alter_sys=True)
     completed = capsys.readouterr()
-    assert f"{STEPS}/{STEPS}" in completed.err  # the progress bars
+    assert f"{SHORT}/{SHORT}" in completed.err  # the progress bars
     lines = completed.out.strip().splitlines()
     rows = [re.split(r"\s{2,}", line.strip()) for line in lines[:5]]
     assert rows[0] == [
@@ -142,7 +143,7 @@ def test_module_prints_progress_and_the_summary_table(monkeypatch, capsys):
     assert rows[3][3:5] == ["-", "-"]
     assert int(rows[4][3]) >= 1
     assert re.fullmatch(r"2\*\*\d+", rows[4][4])
-    assert f"{STEPS} steps per run." in completed.out
+    assert f"{SHORT} steps per run." in completed.out
     worst = [line.strip() for line in lines if line.startswith("  float16")]
     assert [line.split(":")[0] for line in worst] == [
         "float16, no loss scaling",
@@ -154,7 +155,7 @@ def test_module_prints_progress_and_the_summary_table(monkeypatch, capsys):
 
 def test_seed_changes_the_task_and_matplotlib_is_only_needed_for_plot(results, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    other = demo.main(["--steps", str(STEPS), "--seed", "1"])  # same steps: no recompilation
+    other = demo.main(["--steps", str(SHORT), "--seed", "1"])
     for key, result in results.items():
         assert other[key].losses[0] != result.losses[0]
     assert other["float16"].zero_grad_share > 0.9
