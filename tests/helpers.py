@@ -1,7 +1,7 @@
-"""What the tests share: bit-exact comparison of trees, the reductions of a compiled module,
-the reference model of the update rule (docs/update-rule.md) in plain Python, against which
-the jitted rule is checked, a call jitted or eager, the statistics as Python values, and the
-runner of the Markdown pages' code blocks."""
+"""What the tests share: arrays made without compiling, bit-exact comparison of trees, the
+reductions of a compiled module, the reference model of the update rule (docs/update-rule.md)
+in plain Python, against which the jitted rule is checked, a call jitted or eager, the
+statistics as Python values, and the runner of the Markdown pages' code blocks."""
 
 import contextlib
 import math
@@ -18,6 +18,16 @@ import jax_lossscale as jls
 
 F32_MAX = float(np.finfo(np.float32).max)
 UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def device_array(values, dtype=np.float32) -> jax.Array:
+    """`jnp.array(values, dtype)` made by NumPy on the host and copied to the device.
+
+    The same array (values, dtype, not weakly typed), with no XLA program compiled to make it:
+    `jnp.array`, `jnp.ones` or `.at[].set` compile one per shape and dtype, and at import they
+    compile in every test process.
+    """
+    return jnp.asarray(np.array(values, dtype))
 
 
 def bits(tree):

@@ -15,6 +15,8 @@ import pytest
 
 import jax_lossscale as jls
 
+from helpers import device_array
+
 F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 NAN, INF = math.nan, math.inf
@@ -356,19 +358,19 @@ def test_good_edge_values_are_accepted_and_init_holds_them(kwargs):
         assert getattr(ls, name) == expected
 
 
-FLOAT16_MAX_ARRAY = jnp.ones([], jnp.float32) * (2 - 2**-10) * 2**15  # as mpx writes it
-
-
 def test_concrete_scalar_arrays_are_accepted_as_the_numbers_they_hold():
     """jmp's docstring writes the scale as `jnp.asarray(2.**15)`, mpx's README as
     `mpx.FLOAT16_MAX` and `jnp.ones(())`: each is the Python number it holds."""
+    # mpx.FLOAT16_MAX, `jnp.ones([], jnp.float32) * (2 - 2**-10) * 2**15`: the same float32
+    # array, computed on the host (not at import, in every test process).
+    float16_max = jnp.asarray(np.ones([], np.float32) * (2 - 2**-10) * 2**15)
     ls = jls.DynamicLossScale(
         initial_loss_scale=jnp.asarray(2.0**15),
         increment_period=jnp.asarray(5),
         multiplier=np.asarray(4.0),
         backoff_factor=jnp.asarray(0.25, jnp.bfloat16),
         min_loss_scale=jnp.ones(()),
-        max_loss_scale=FLOAT16_MAX_ARRAY,
+        max_loss_scale=float16_max,
         hysteresis=np.array(3, np.int8),
         consecutive_hysteresis=jnp.bool_(True),
     )
@@ -663,16 +665,17 @@ def test_numpy_state_of_right_dtypes_is_accepted():
 
 # --- bad gradient leaves -------------------------------------------------------------------
 
+
 # (tree, path in the message, type name in the message)
 _BAD_TREES = [
     ({"a": "x"}, "['a']", "str"),
-    ({"a": jnp.ones(2), "b": object()}, "['b']", "object"),
+    ({"a": device_array(np.ones(2)), "b": object()}, "['b']", "object"),
     ({"a": 1.5}, "['a']", "float"),
     ({"a": 3}, "['a']", "int"),
     ({"a": True}, "['a']", "bool"),
     ({"a": ["x", "y"]}, "['a'][0]", "str"),
-    ([jnp.ones(2), {"k": b"bytes"}], "[1]['k']", "bytes"),
-    ((jnp.ones(2), None, "x"), "[2]", "str"),
+    ([device_array(np.ones(2)), {"k": b"bytes"}], "[1]['k']", "bytes"),
+    ((device_array(np.ones(2)), None, "x"), "[2]", "str"),
     ("loss", "<root>", "str"),
     (1.0, "<root>", "float"),
 ]

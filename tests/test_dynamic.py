@@ -13,6 +13,7 @@ import pytest
 import jax_lossscale as jls
 
 from helpers import JIT_MODES as MODES
+from helpers import device_array
 from helpers import jit_mode as mode_context
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -20,11 +21,11 @@ NONFINITE = [jnp.inf, jnp.nan, -jnp.inf]
 
 
 def finite_grads():
-    return {"w": jnp.ones(3)}
+    return {"w": device_array(np.ones(3), jnp.float32)}
 
 
 def nonfinite_grads(value=jnp.inf):
-    return {"w": jnp.array([1.0, value, 1.0])}
+    return {"w": device_array([1.0, value, 1.0], jnp.float32)}
 
 
 def grads_for(flag: str, index: int):
@@ -305,9 +306,13 @@ def test_each_nonfinite_value_detected(value):
 @pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
 def test_nonfinite_in_one_leaf_among_many(value):
     ls = jls.DynamicLossScale(8.0, 1, 2.0)
-    leaves = {f"layer{i}": {"w": jnp.ones((4, 5)), "b": jnp.zeros(5)} for i in range(6)}
-    bad = copy.deepcopy(leaves)
-    bad["layer4"]["w"] = jnp.ones((4, 5)).at[3, 2].set(value)
+    host = {
+        f"layer{i}": {"w": np.ones((4, 5), np.float32), "b": np.zeros(5, np.float32)}
+        for i in range(6)
+    }
+    bad_host = copy.deepcopy(host)
+    bad_host["layer4"]["w"][3, 2] = value
+    leaves, bad = jax.tree.map(jnp.asarray, (host, bad_host))
     good_state, good_apply = jax.jit(ls.update)(ls.init(), leaves)
     bad_state, bad_apply = jax.jit(ls.update)(ls.init(), [leaves, (bad,)])
     assert bool(good_apply)
@@ -320,8 +325,9 @@ def test_nonfinite_in_one_leaf_among_many(value):
 @pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
 def test_low_precision_leaves(dtype, value):
     ls = jls.DynamicLossScale(8.0, 1, 2.0)
-    finite = {"a": jnp.full(4, 3.0, dtype), "b": jnp.ones(2, jnp.float32)}
-    nonfinite = {"a": jnp.array([1.0, value, 2.0], dtype), "b": jnp.ones(2, jnp.float32)}
+    ones = device_array(np.ones(2), jnp.float32)
+    finite = {"a": device_array(np.full(4, 3.0), dtype), "b": ones}
+    nonfinite = {"a": device_array([1.0, value, 2.0], dtype), "b": ones}
     state, should_apply = ls.update(ls.init(), finite)
     assert bool(should_apply)
     assert float(state.loss_scale) == 16.0
@@ -346,17 +352,17 @@ def float0_zeros(shape):
 def test_non_floating_leaves_are_ignored():
     ls = jls.DynamicLossScale(8.0, 1, 2.0)
     extra = {
-        "int": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
-        "uint8": jnp.array([255], jnp.uint8),
-        "bool": jnp.array([True, False]),
+        "int": device_array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
+        "uint8": device_array([255], jnp.uint8),
+        "bool": device_array([True, False], jnp.bool_),
         "none": None,
         "float0": float0_zeros((3,)),
     }
     update = jax.jit(ls.update)
-    state, should_apply = update(ls.init(), {**extra, "w": jnp.ones(3)})
+    state, should_apply = update(ls.init(), {**extra, "w": device_array(np.ones(3), jnp.float32)})
     assert bool(should_apply)
     assert float(state.loss_scale) == 16.0
-    state, should_apply = update(state, {**extra, "w": jnp.array([jnp.nan])})
+    state, should_apply = update(state, {**extra, "w": device_array([jnp.nan], jnp.float32)})
     assert not bool(should_apply)
     assert float(state.loss_scale) == 8.0
     state, should_apply = update(state, extra)
@@ -380,7 +386,7 @@ def test_fixed_loss_scale_always_applies_and_never_changes(value):
     update = jax.jit(ls.update)
     new_state = state
     for _ in range(3):
-        new_state, should_apply = update(new_state, {"w": jnp.array([1.0, value])})
+        new_state, should_apply = update(new_state, {"w": device_array([1.0, value], jnp.float32)})
         assert bool(should_apply)
         assert should_apply.dtype == jnp.bool_
         assert should_apply.shape == ()
@@ -606,8 +612,9 @@ def test_vmap_over_states():
         jls.DynamicLossScaleState(jnp.float32(4), jnp.int32(0), jnp.int32(1)),
         jls.DynamicLossScaleState(jnp.float32(4), jnp.int32(1), jnp.int32(2)),
     ]
-    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    grads = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [1.0, np.nan]])}
+    batch = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *states)
+    host_w = np.array([[1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [1.0, np.nan]], np.float32)
+    grads = {"w": jnp.asarray(host_w)}
     vmapped = jax.jit(jax.vmap(ls.update))
     new_batch, should_apply = vmapped(batch, grads)
     assert [bool(x) for x in should_apply] == [True, True, False, False]
@@ -617,7 +624,7 @@ def test_vmap_over_states():
         expected
     )
     for i, state in enumerate(states):
-        single, single_apply = ls.update(state, {"w": grads["w"][i]})
+        single, single_apply = ls.update(state, {"w": jnp.asarray(host_w[i])})
         chex.assert_trees_all_equal(single, jax.tree.map(lambda x, i=i: x[i], new_batch))
         assert bool(single_apply) == bool(should_apply[i])
 
@@ -625,9 +632,9 @@ def test_vmap_over_states():
 def test_vmap_over_states_with_shared_grads():
     ls = jls.DynamicLossScale(8.0, 1, 2.0, min_loss_scale=2.0)
     batch = jls.DynamicLossScaleState(
-        jnp.array([2.0, 8.0, 64.0], jnp.float32),
-        jnp.zeros(3, jnp.int32),
-        jnp.ones(3, jnp.int32),
+        device_array([2.0, 8.0, 64.0], jnp.float32),
+        device_array(np.zeros(3), jnp.int32),
+        device_array(np.ones(3), jnp.int32),
     )
     new_batch, should_apply = jax.vmap(ls.update, in_axes=(0, None))(batch, nonfinite_grads())
     assert np.asarray(should_apply).tolist() == [False, False, False]

@@ -22,15 +22,18 @@ from jax_lossscale._numerics import (
     square_sums_and_infs,
 )
 
-from helpers import compiled_reductions
+from helpers import compiled_reductions, device_array
 
 N_DEVICES = 8
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
 NON_FINITE = [np.nan, np.inf, -np.inf]
 
 
+_jitted_all_finite = jax.jit(jls.all_finite)
+
+
 def finite(tree) -> bool:
-    result = jax.jit(jls.all_finite)(tree)
+    result = _jitted_all_finite(tree)
     assert result.dtype == jnp.bool_
     assert result.shape == ()
     return bool(result)
@@ -55,48 +58,50 @@ def test_empty_tree_and_tree_of_nones_are_finite(tree):
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_non_finite_value_in_any_floating_dtype_is_detected(dtype, value):
-    good = jnp.array([1.0, -2.0, 3.0, 0.0], dtype)
-    bad = good.at[2].set(value)
-    assert finite({"ok": jnp.ones(3), "g": good}) is True
-    assert finite({"ok": jnp.ones(3), "g": bad}) is False
+    good = device_array([1.0, -2.0, 3.0, 0.0], dtype)
+    bad = device_array([1.0, -2.0, value, 0.0], dtype)
+    ones = device_array(np.ones(3), jnp.float32)
+    assert finite({"ok": ones, "g": good}) is True
+    assert finite({"ok": ones, "g": bad}) is False
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "+inf", "-inf"])
 def test_non_finite_imaginary_part_is_detected(value):
-    leaf = jnp.array([1 + 1j, complex(2.0, value)], jnp.complex64)
+    leaf = device_array([1 + 1j, complex(2.0, value)], jnp.complex64)
     assert finite([leaf]) is False
 
 
 def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes():
     ints = {
-        "i32": jnp.array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
-        "u8": jnp.array([255, 0], jnp.uint8),
-        "bool": jnp.array([True, False]),
+        "i32": device_array([np.iinfo(np.int32).max, np.iinfo(np.int32).min], jnp.int32),
+        "u8": device_array([255, 0], jnp.uint8),
+        "bool": device_array([True, False], jnp.bool_),
         "np_i32": np.full((3,), np.iinfo(np.int32).max, np.int32),
     }
     assert finite(ints) is True
-    assert finite({**ints, "f": jnp.ones(2)}) is True
-    assert finite({**ints, "f": jnp.array([1.0, np.nan])}) is False
+    assert finite({**ints, "f": device_array(np.ones(2), jnp.float32)}) is True
+    assert finite({**ints, "f": device_array([1.0, np.nan], jnp.float32)}) is False
 
 
 def test_float0_leaves_are_ignored():
-    _, int_grad = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)(1.0, 3)
+    _, int_grad = jax.jit(jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True))(1.0, 3)
     assert int_grad.dtype == jax.dtypes.float0
     tree = {"from_grad": int_grad, "zeros": float0_zeros((2, 3))}
     assert finite(tree) is True
     assert finite({**tree, "f": jnp.full((2,), 0.5)}) is True
-    assert finite({**tree, "f": jnp.array([0.5, -np.inf])}) is False
+    assert finite({**tree, "f": device_array([0.5, -np.inf], jnp.float32)}) is False
 
 
 @pytest.mark.parametrize(
     ("leaf", "expected"),
     [
-        (jnp.float32(1.0), True),
-        (jnp.float32(np.inf), False),
-        (jnp.array(np.nan, jnp.float16), False),
+        # JAX scalars copied from NumPy: nothing compiles while the tests are collected.
+        (device_array(1.0, jnp.float32), True),
+        (device_array(np.inf, jnp.float32), False),
+        (device_array(np.nan, jnp.float16), False),
         (np.float32(-np.inf), False),
         (np.float16(2.0), True),
-        (jnp.int32(7), True),
+        (device_array(7, jnp.int32), True),
     ],
     ids=["f32", "f32-inf", "f16-nan", "np-f32-neg-inf", "np-f16", "i32"],
 )
@@ -108,13 +113,24 @@ def test_scalar_leaf(leaf, expected):
 def test_one_bad_entry_deep_inside_a_nested_tree():
     def tree(deep):
         return {
-            "a": [jnp.ones(2), {"b": (jnp.zeros((2, 2)), None, {"c": [jnp.ones(1), deep]})}],
-            "z": jnp.arange(3),
+            "a": [
+                device_array(np.ones(2), jnp.float32),
+                {
+                    "b": (
+                        device_array(np.zeros((2, 2)), jnp.float32),
+                        None,
+                        {"c": [device_array(np.ones(1), jnp.float32), deep]},
+                    )
+                },
+            ],
+            "z": device_array(np.arange(3), jnp.int32),
         }
 
-    ok = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.bfloat16)
-    assert finite(tree(ok)) is True
-    assert finite(tree(ok.at[4].set(np.nan))) is False
+    ok = np.linspace(-1.0, 1.0, 5).astype(jnp.bfloat16)
+    bad = ok.copy()
+    bad[4] = np.nan
+    assert finite(tree(jnp.asarray(ok))) is True
+    assert finite(tree(jnp.asarray(bad))) is False
 
 
 def test_numpy_arrays_as_leaves():
@@ -143,7 +159,7 @@ def test_large_array_with_one_nan_at_the_end():
             "every leaf must be a JAX or NumPy array (or None)",
         ),
         (
-            [jnp.ones(2), {"w": 1.5}],
+            [device_array(np.ones(2), jnp.float32), {"w": 1.5}],
             "all_finite: tree leaf at [1]['w'] has type float (1.5); "
             "every leaf must be a JAX or NumPy array (or None)",
         ),
@@ -178,7 +194,8 @@ def per_device_grads(bad_device: int | None, value: float = np.inf) -> dict:
 
 
 def replicated(tree):
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (N_DEVICES, *x.shape)), tree)
+    """`tree` stacked `N_DEVICES` times, on the host (for `pmap`, which copies it)."""
+    return jax.tree.map(lambda x: np.broadcast_to(x, (N_DEVICES, *np.shape(x))), tree)
 
 
 def device_rows(tree, i: int):
@@ -427,7 +444,11 @@ def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
     bfloat16 vector) is three reductions, each with the sum and the inf flag as results; two
     passes, where leaves may be sharded, are six sums: three of squares, three counts of
     infinities."""
-    parts = [jnp.ones((64, 32)), jnp.ones(100, jnp.float16), jnp.ones(7, jnp.bfloat16)]
+    parts = [
+        device_array(np.ones((64, 32)), jnp.float32),
+        device_array(np.ones(100), jnp.float16),
+        device_array(np.ones(7), jnp.bfloat16),
+    ]
 
     def reductions(one_pass):
         text = jax.jit(lambda p: square_sums_and_infs(p, one_pass)).lower(parts).compile()
@@ -458,27 +479,31 @@ def _explicit_mesh() -> Mesh:
 # explicit spec, or on a mesh whose axes XLA's partitioner splits as it chooses (Auto).
 PLACED_LEAVES = {
     "numpy array": (lambda: np.ones(16, np.float32), False),
-    "jax array, default device": (lambda: jnp.ones(16), False),
-    "committed to device 3 of 8": (lambda: jax.device_put(jnp.ones(16), jax.devices()[3]), False),
+    "jax array, default device": (lambda: device_array(np.ones(16)), False),
+    "committed to device 3 of 8": (
+        lambda: jax.device_put(device_array(np.ones(16)), jax.devices()[3]),
+        False,
+    ),
     "auto mesh, split": (
-        lambda: jax.device_put(jnp.ones(16), NamedSharding(auto_mesh(), P("d"))),
+        lambda: jax.device_put(device_array(np.ones(16)), NamedSharding(auto_mesh(), P("d"))),
         True,
     ),
     "auto mesh, replicated": (
-        lambda: jax.device_put(jnp.ones(16), NamedSharding(auto_mesh(), P())),
+        lambda: jax.device_put(device_array(np.ones(16)), NamedSharding(auto_mesh(), P())),
         True,
     ),
     "explicit mesh, split": (
-        lambda: jax.device_put(jnp.ones(16), NamedSharding(_explicit_mesh(), P("e"))),
+        lambda: jax.device_put(device_array(np.ones(16)), NamedSharding(_explicit_mesh(), P("e"))),
         True,
     ),
     "explicit mesh, replicated": (
-        lambda: jax.device_put(jnp.ones(16), NamedSharding(_explicit_mesh(), P())),
+        lambda: jax.device_put(device_array(np.ones(16)), NamedSharding(_explicit_mesh(), P())),
         False,
     ),
     "auto mesh of one device": (
         lambda: jax.device_put(
-            jnp.ones(16), NamedSharding(Mesh(np.array(jax.devices()[2:3]), ("d",)), P("d"))
+            device_array(np.ones(16)),
+            NamedSharding(Mesh(np.array(jax.devices()[2:3]), ("d",)), P("d")),
         ),
         False,
     ),
@@ -507,17 +532,17 @@ def test_may_be_sharded_inside_pmap_and_shard_map_and_under_a_mesh(mesh):
         found.append(may_be_sharded(x))
         return x
 
-    jax.pmap(record, axis_name="d")(jnp.ones((N_DEVICES, 3)))
-    rows = jax.device_put(jnp.ones(16), NamedSharding(mesh, P("d")))
+    jax.pmap(record, axis_name="d")(device_array(np.ones((N_DEVICES, 3)), jnp.float32))
+    rows = jax.device_put(device_array(np.ones(16)), NamedSharding(mesh, P("d")))
     jax.shard_map(record, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(rows)
     grid = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     jax.shard_map(record, mesh=grid, in_specs=P("a"), out_specs=P("a"), axis_names={"a"})(
-        jnp.ones(16)
+        device_array(np.ones(16))
     )
     split = NamedSharding(auto_mesh(), P("d"))
     with jax.sharding.set_mesh(auto_mesh()):
-        jax.jit(record)(jnp.ones(16))
-    jax.jit(record, in_shardings=split, out_shardings=split)(jnp.ones(16))
+        jax.jit(record)(device_array(np.ones(16)))
+    jax.jit(record, in_shardings=split, out_shardings=split)(device_array(np.ones(16)))
     assert found == [False, False, True, True, False]
 
 
@@ -564,12 +589,12 @@ def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
 
 def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
     tree = {
-        "a": jnp.ones(3000, jnp.float32),
-        "b": jnp.ones(3000, jnp.float32),
-        "c": jnp.ones((40, 10), jnp.bfloat16),
-        "d": jnp.ones(5000, jnp.float32),  # above SMALL_PART: a part of its own
-        "e": jnp.ones(2, jnp.complex64),  # its real and imaginary parts, as float32
-        "i": jnp.ones(3, jnp.int32),  # not floating: left out
+        "a": device_array(np.ones(3000), jnp.float32),
+        "b": device_array(np.ones(3000), jnp.float32),
+        "c": device_array(np.ones((40, 10)), jnp.bfloat16),
+        "d": device_array(np.ones(5000), jnp.float32),  # above SMALL_PART: a part of its own
+        "e": device_array(np.ones(2), jnp.complex64),  # its real and imaginary parts, as float32
+        "i": device_array(np.ones(3), jnp.int32),  # not floating: left out
     }
     assert (SMALL_PART, GROUP_SIZE) == (4096, 65536)
     parts = floating_parts(tree, join_small=True)
@@ -580,9 +605,17 @@ def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
 
 
 def test_floating_parts_start_a_new_group_past_the_group_size():
-    tree = [jnp.ones(4000, jnp.float32) for _ in range(40)]  # 160,000 entries
+    tree = [device_array(np.ones(4000), jnp.float32) for _ in range(40)]  # 160,000 entries
     sizes = [part.size for part in floating_parts(tree, join_small=True)]
     assert sizes == [64000, 64000, 32000]
+
+
+@jax.jit
+def _finite_flags_and_square_sums(parts):
+    """Per part: whether the sum of `part - part` is finite, and the float32 sum of squares
+    (one program for all the parts, rather than a few for each)."""
+    flags = [jnp.isfinite(jnp.sum(part - part)) for part in parts]
+    return flags, [jnp.sum(jnp.square(part.astype(jnp.float32))) for part in parts]
 
 
 @pytest.mark.parametrize("join_small", [True, False])
@@ -594,11 +627,10 @@ def test_sum_of_part_minus_part_is_finite_exactly_when_the_part_is(join_small, d
         for value in (np.nan, np.inf, -np.inf):
             bad = [leaf.copy() for leaf in leaves]
             bad[index][-1] = value
-            parts = floating_parts([jnp.asarray(x, dtype) for x in bad], join_small=join_small)
-            flags = [bool(jnp.isfinite(jnp.sum(part - part))) for part in parts]
-            assert not all(flags), (index, value)
-            squares = [jnp.sum(jnp.square(part.astype(jnp.float32))) for part in parts]
-            has_nan = bool(jnp.isnan(jnp.asarray(value, dtype)))  # e4m3fn has no inf: NaN
-            assert any(bool(jnp.isnan(s)) for s in squares) is has_nan
-    parts = floating_parts([jnp.asarray(x, dtype) for x in leaves], join_small=join_small)
-    assert all(bool(jnp.isfinite(jnp.sum(part - part))) for part in parts)
+            parts = floating_parts([device_array(x, dtype) for x in bad], join_small=join_small)
+            flags, squares = _finite_flags_and_square_sums(parts)
+            assert not all(bool(flag) for flag in flags), (index, value)
+            has_nan = bool(np.isnan(np.asarray(value, dtype)))  # e4m3fn has no inf: NaN
+            assert any(bool(np.isnan(s)) for s in squares) is has_nan
+    parts = floating_parts([device_array(x, dtype) for x in leaves], join_small=join_small)
+    assert all(bool(flag) for flag in _finite_flags_and_square_sums(parts)[0])
