@@ -14,7 +14,7 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale._diagnostics import saturating_count
 
-from helpers import assert_bits_equal, stats_dict
+from helpers import assert_bits_equal, device_array, stats_dict
 
 
 def exact(message: str) -> str:
@@ -25,21 +25,24 @@ def exact(message: str) -> str:
 
 
 def mixed_tree():
-    nan, inf = jnp.nan, jnp.inf
+    nan, inf = np.nan, np.inf
     return {
         "encoder": {
             "layers": [
-                {"kernel": jnp.array([[1.0, nan], [inf, -inf]]), "bias": None},
-                {"kernel": jnp.zeros((2, 2)), "bias": jnp.array([1.0, 2.0], jnp.float16)},
+                {"kernel": device_array([[1.0, nan], [inf, -inf]], np.float32), "bias": None},
+                {
+                    "kernel": device_array(np.zeros((2, 2)), np.float32),
+                    "bias": device_array([1.0, 2.0], np.float16),
+                },
             ],
-            "steps": jnp.array([3, 4], jnp.int32),
+            "steps": device_array([3, 4], np.int32),
         },
         "head": (
-            jnp.array([inf, 1.0, nan], jnp.bfloat16),
-            jnp.array([True, False]),
-            jnp.array([1 + 1j, complex(nan, 0.0), complex(1.0, -inf)], jnp.complex64),
+            device_array([inf, 1.0, nan], jnp.bfloat16),
+            device_array([True, False], bool),
+            device_array([1 + 1j, complex(nan, 0.0), complex(1.0, -inf)], np.complex64),
         ),
-        "scale": jnp.array(jnp.inf, jnp.float16),
+        "scale": device_array(inf, np.float16),
         "unused": None,
     }
 
@@ -81,7 +84,9 @@ def test_non_finite_paths_names_the_leaves_in_order(jit_or_eager):
 
 
 def test_non_finite_paths_is_empty_when_all_is_finite(jit_or_eager):
-    tree = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(2, jnp.bfloat16), None], "n": jnp.array(7)}
+    # Built on the host (no program compiled) but for the weakly typed scalar.
+    w, b = jnp.asarray(np.ones((2, 3), np.float32)), jnp.asarray(np.zeros(2, jnp.bfloat16))
+    tree = {"w": w, "b": [b, None], "n": jnp.array(7)}
     counts = jit_or_eager(jls.count_non_finite, tree)
     assert jls.non_finite_paths(counts) == {}
     assert jls.non_finite_paths(jls.count_non_finite({})) == {}
@@ -100,7 +105,7 @@ def test_non_finite_paths_of_a_single_leaf_names_the_root():
             "pass the tree returned by count_non_finite",
         ),
         (
-            {"grads": {"w": jnp.ones(3)}},
+            {"grads": {"w": device_array(np.ones(3))}},
             "non_finite_paths: counts leaf at ['grads']['w'] is "
             "array([1., 1., 1.], dtype=float32); pass the tree returned by count_non_finite",
         ),
@@ -118,13 +123,12 @@ def test_non_finite_paths_refuses_what_is_not_counts(counts, message):
 
 
 def test_non_finite_paths_sums_counts_over_devices():
-    grads = {
-        "b": jnp.zeros((8, 2)),
-        "w": jnp.zeros((8, 3)).at[2, 0].set(jnp.inf).at[5].set(jnp.nan),
-    }
+    w = np.zeros((8, 3), np.float32)  # built on the host: no program compiled
+    w[2, 0], w[5] = np.inf, np.nan
+    grads = {"b": jnp.asarray(np.zeros((8, 2), np.float32)), "w": jnp.asarray(w)}
     counts = jax.pmap(jls.count_non_finite)(grads)
     chex.assert_trees_all_equal(
-        counts, {"b": jnp.zeros(8, jnp.int32), "w": jnp.array([0, 0, 1, 0, 0, 3, 0, 0], jnp.int32)}
+        counts, {"b": np.zeros(8, np.int32), "w": np.array([0, 0, 1, 0, 0, 3, 0, 0], np.int32)}
     )
     assert jls.non_finite_paths(counts) == {"w": 4}
 
@@ -173,7 +177,7 @@ def test_train_step_reports_the_overflowing_layer():
     one, tenth = np.float32(1.0), np.float32(0.1)
     chex.assert_trees_all_equal(
         new_params,
-        {"layers": [{"w": jnp.full(4, one - tenth)}, {"w": jnp.full(4, one - tenth * 10)}]},
+        {"layers": [{"w": np.full(4, one - tenth)}, {"w": np.full(4, one - tenth * 10)}]},
     )
     assert stats_dict(opt_state)["last_step_applied"] is True
 
@@ -186,7 +190,7 @@ def test_train_step_reports_the_overflowing_layer():
     [(10, 3, 10), (10, 4, 10), (12, 4, 12), (5, 8, 5), (0, 4, 0)],
 )
 def test_saturating_count_in_chunks_counts_exactly_below_the_limit(size, chunk, expected):
-    assert int(jax.jit(saturating_count, static_argnums=1)(jnp.ones(size, bool), chunk)) == expected
+    assert int(jax.jit(saturating_count, static_argnums=1)(np.ones(size, bool), chunk)) == expected
 
 
 def test_count_non_finite_saturates_past_int32_max():
@@ -335,7 +339,9 @@ def test_check_not_stuck_reads_a_state_replicated_by_pmap():
         return optax.apply_updates(params, updates), opt_state
 
     opt_state = jax.pmap(tx.init)(params)
-    grads = jnp.ones((devices, 2)).at[0, 0].set(jnp.inf)  # one device overflows
+    grads = np.ones((devices, 2), np.float32)  # built on the host: no program compiled
+    grads[0, 0] = np.inf  # one device overflows
+    grads = jnp.asarray(grads)
     for _ in range(3):
         params, opt_state = train_step(params, opt_state, grads)
     with pytest.raises(jls.LossScaleStuckError, match=r"3 steps in a row.* 0 for NaN, 3 for inf"):
@@ -376,8 +382,8 @@ def _norm_run(tx, norms):
     opt_state = tx.init(params)
     step = jax.jit(tx.update)
     for norm in norms:
-        scale = jls.get_loss_scale(opt_state)
-        _, opt_state = step({"w": jnp.array([norm, 0.0]) * scale}, opt_state, params)
+        scale = np.float32(jls.get_loss_scale(opt_state))  # scaled on the host: no program
+        _, opt_state = step({"w": np.array([norm, 0.0], np.float32) * scale}, opt_state, params)
     return opt_state
 
 

@@ -38,16 +38,24 @@ class MLP(nn.Module):
 
 
 MODEL = MLP()
-X = jax.random.normal(jax.random.key(1), (32, 8))
-Y = jax.random.normal(jax.random.key(2), (32, 1))
-X_INF = X.at[0, 0].set(jnp.inf)  # one bad pixel: fp8 casts saturate, the loss stays finite
+
+
+@functools.cache
+def _batch():
+    """X, Y and X_INF: jax's random values, made at the first test that needs them, not at
+    import."""
+    x = jax.random.normal(jax.random.key(1), (32, 8))
+    y = jax.random.normal(jax.random.key(2), (32, 1))
+    x_inf = np.array(x)  # set on the host: no program compiled
+    x_inf[0, 0] = np.inf  # one bad pixel: fp8 casts saturate, the loss stays finite
+    return x, y, jnp.asarray(x_inf)
 
 
 @functools.cache
 def initial_variables():
     """The model's initial variables, made at the first test that needs them, not at import."""
     with pytest.warns(DeprecationWarning, match="Fp8DotGeneralOp is deprecated"):
-        return jax.jit(MODEL.init)(jax.random.key(0), X)  # one program, not op by op
+        return jax.jit(MODEL.init)(jax.random.key(0), _batch()[0])  # one program, not op by op
 
 
 KERNEL_AMAX = 0.779305636882782  # max |kernel| of the first layer
@@ -58,6 +66,9 @@ def _loss(variables, x, y):
     return jnp.mean((MODEL.apply(variables, x) - y) ** 2)
 
 
+FLAX_GRAD = jax.jit(jax.grad(_loss))  # flax's own gradient: one program, not op by op
+
+
 def _tx(inner=None, fp8_meta=None, loss_scale=None):
     return jls.loss_scaled(
         inner or optax.adam(1e-2), loss_scale or jls.DynamicLossScale(SCALE), fp8_meta=fp8_meta
@@ -65,7 +76,8 @@ def _tx(inner=None, fp8_meta=None, loss_scale=None):
 
 
 def _layer(variables, layer="Dense_0"):
-    return variables[OWG][layer]["Fp8DotGeneralOp_0"]
+    """The layer's meta leaves, on the host."""
+    return jax.tree.map(np.asarray, variables[OWG][layer]["Fp8DotGeneralOp_0"])
 
 
 def _whole_tree_step(tx):
@@ -107,14 +119,14 @@ def _followed(tree, factor):
 
     def follow(path, leaf):
         if path[-1].key in ("output_grad_amax_history", "output_grad_scale"):
-            return (leaf * np.float32(factor)).astype(leaf.dtype)
+            return (np.asarray(leaf) * np.float32(factor)).astype(leaf.dtype)
         return leaf
 
     return jax.tree_util.tree_map_with_path(follow, tree)
 
 
 def _no_inf(tree):
-    return all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
+    return all(bool(np.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
 
 
 def test_the_collection_name_is_flax_s():
@@ -123,6 +135,7 @@ def test_the_collection_name_is_flax_s():
 
 def test_whole_tree_meta_leaves_are_set_not_optimized():
     # Before: meta leaves treated as params (fp8_meta=False) are unscaled and fed to adam.
+    X, Y, _ = _batch()
     tx = _tx(fp8_meta=False)
     garbage, _ = _whole_tree_step(tx)(initial_variables(), tx.init(initial_variables()), X, Y)
     np.testing.assert_allclose(_layer(garbage)["kernel_scale"], [0.9900002], rtol=1e-6)
@@ -134,9 +147,8 @@ def test_whole_tree_meta_leaves_are_set_not_optimized():
     assert float(layer["kernel_amax_history"][0]) == np.float32(KERNEL_AMAX)
     assert float(layer["input_amax_history"][0]) == np.float32(INPUT_AMAX)
     assert float(layer["output_grad_amax_history"][0]) == 36.0  # of the scaled gradient
-    assert float(
-        jnp.max(jnp.abs(initial_variables()["params"]["Dense_0"]["kernel"]))
-    ) == np.float32(KERNEL_AMAX)
+    kernel = initial_variables()["params"]["Dense_0"]["kernel"]
+    assert float(np.max(np.abs(kernel))) == np.float32(KERNEL_AMAX)
     np.testing.assert_array_equal(layer["kernel_amax_history"][1:], np.zeros(1023, np.float32))
     # Never given to inner: adam's moments have no entry for them.
     mu = opt_state.inner_state[0].mu
@@ -145,6 +157,7 @@ def test_whole_tree_meta_leaves_are_set_not_optimized():
 
 
 def test_train_state_route_sees_an_inf_amax_as_an_overflow():
+    X, Y, X_INF = _batch()
     batches = [X, X_INF, X]
     # Before: flax's TrainState hands the optimizer the params alone and copies the collection.
     state = train_state.TrainState.create(apply_fn=MODEL.apply, params=initial_variables(), tx=TX)
@@ -179,6 +192,7 @@ def test_train_state_route_sees_an_inf_amax_as_an_overflow():
 
 
 def test_whole_tree_skip_keeps_every_bit_and_backs_off():
+    X, Y, X_INF = _batch()
     variables, opt_state = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), X, Y)
     before = jax.tree.map(np.asarray, variables)
     variables, opt_state = WHOLE_TREE_STEP(variables, opt_state, X_INF, Y)
@@ -192,6 +206,7 @@ def test_whole_tree_skip_keeps_every_bit_and_backs_off():
 
 def test_whole_tree_equals_the_train_state_route_on_clean_steps():
     # Clipping inside inner: the meta leaves must not count in its global norm.
+    X, Y, _ = _batch()
     inner = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
     tx = _tx(inner)
     whole, train = _whole_tree_step(tx), _train_state_step(tx)
@@ -214,12 +229,16 @@ def test_whole_tree_equals_the_train_state_route_on_clean_steps():
             close = (np.abs(new_b) <= 2 * np.abs(before)) & (np.abs(before) <= 2 * np.abs(new_b))
             np.testing.assert_array_equal(new_a[close], new_b[close])
     assert float(_layer(b)["input_amax_history"][0]) == np.float32(3 * INPUT_AMAX)
+
     # The norm of the last step is its params' gradients' alone, unscaled.
-    gradients = jax.jit(lambda v, x, scale: jls.value_and_grad(_loss, scale)(v, x, Y)[1])
-    grads = gradients(old, x, jnp.float32(SCALE))
+    @jax.jit  # one program, not op by op
+    def unscaled_norm(variables, x, scale):
+        grads = jls.value_and_grad(_loss, scale)(variables, x, Y)[1]
+        return optax.tree.norm(grads["params"]) / scale
+
     np.testing.assert_allclose(
         jls.get_loss_scale_stats(b_state).grad_norm,
-        optax.tree.norm(grads["params"]) / SCALE,
+        unscaled_norm(old, x, jnp.float32(SCALE)),
         rtol=1e-5,
     )
 
@@ -303,6 +322,7 @@ def test_bad_fp8_meta_arguments():
 
 
 def test_optax_multisteps_inside_keeps_every_microbatch_amax():
+    X, Y, X_INF = _batch()
     tx = _tx(optax.MultiSteps(optax.adam(1e-2), 2))
     step = _train_state_step(tx)  # exact, so that the entries are the amaxes bit for bit
     variables, opt_state = initial_variables(), tx.init(initial_variables())
@@ -326,10 +346,11 @@ def _data_parallel_step(tx):
     """One device's step over the "data" axis: its loss is its share of the whole batch's
     mean, the params' gradients are summed, and the meta leaves are left to `loss_scaled`,
     which combines them by max."""
+    batch_size = _batch()[0].shape[0]
 
     def step(variables, opt_state, x, y):
         def loss(variables):
-            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / X.shape[0]
+            return jnp.sum((MODEL.apply(variables, x) - y) ** 2) / batch_size
 
         _, grads = jls.value_and_grad(loss, opt_state)(variables)
         grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
@@ -340,12 +361,16 @@ def _data_parallel_step(tx):
 
 
 def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
+    X, Y, X_INF = _batch()
     n = jax.device_count()
     tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(SCALE), "data")
     step = jax.pmap(_data_parallel_step(tx), axis_name="data", in_axes=(None, None, 0, 0))
 
-    shards = X.reshape(n, -1, 8), Y.reshape(n, -1, 1)
+    # Reshaped and reversed on the host: no program compiled.
+    x, y, x_inf = np.asarray(X), np.asarray(Y), np.asarray(X_INF)
+    shards = jnp.asarray(x.reshape(n, -1, 8)), jnp.asarray(y.reshape(n, -1, 1))
     replicas, opt_states = step(initial_variables(), tx.init(initial_variables()), *shards)
+    replicas = jax.tree.map(np.asarray, replicas)  # compared on the host
     first = jax.tree.map(lambda leaf: leaf[0], replicas)
     for k in range(1, n):
         assert_bits_equal(jax.tree.map(lambda leaf, k=k: leaf[k], replicas), first)
@@ -355,8 +380,9 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     assert float(_layer(first)["output_grad_amax_history"][0]) == 36.0
 
     # One device's inf pixel skips the step on every device, the meta kept everywhere.
-    bad = X_INF.reshape(n, -1, 8)[::-1], shards[1][::-1]
+    bad = jnp.asarray(x_inf.reshape(n, -1, 8)[::-1]), jnp.asarray(y.reshape(n, -1, 1)[::-1])
     kept, opt_states = step(initial_variables(), tx.init(initial_variables()), *bad)
+    kept = jax.tree.map(np.asarray, kept)
     for k in range(n):
         kept_k = jax.tree.map(lambda leaf, k=k: leaf[k], kept)
         assert_bits_equal(kept_k, _followed(initial_variables(), 0.5))
@@ -364,9 +390,11 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
 
 
 def test_spmd_jit_with_a_sharded_batch_equals_one_device():
+    X, Y, _ = _batch()
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    x = jax.device_put(X, NamedSharding(mesh, PartitionSpec("data")))
-    y = jax.device_put(Y, NamedSharding(mesh, PartitionSpec("data")))
+    # Put from the host: a copy to the devices, no resharding program compiled.
+    x = jax.device_put(np.asarray(X), NamedSharding(mesh, PartitionSpec("data")))
+    y = jax.device_put(np.asarray(Y), NamedSharding(mesh, PartitionSpec("data")))
     got, _ = WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), x, y)
     expected, _ = _single_device_reference(X, Y)
     chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
@@ -381,12 +409,13 @@ def _saturation(grads):
     ratios = []
     for name in ("Dense_0", "Dense_1"):
         layer = _layer(grads, name)
-        limit = layer["output_grad_scale"][0] * E5M2_MAX
+        limit = layer["output_grad_scale"][0] * np.float32(E5M2_MAX)  # in float32, as in jax
         ratios.append(float(layer["output_grad_amax_history"][0] / limit))
     return ratios
 
 
 def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
+    X, Y, _ = _batch()
     tx = _tx(loss_scale=jls.DynamicLossScale(SCALE, increment_period=1))
     followed, followed_state = _whole_tree_step(tx)(
         initial_variables(), tx.init(initial_variables()), X, Y
@@ -404,8 +433,8 @@ def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
     # follow, their largest entries are clipped to about half their value (the first layer sees
     # the second's clipped gradients); where it did, only by
     # what the step itself changed (flax's scales keep no margin).
-    _, grads = jls.value_and_grad(_loss, followed_state)(followed, X, Y)
-    _, plain_grads = jls.value_and_grad(_loss, plain_state)(plain, X, Y)
+    gradients = jax.jit(lambda state, v: jls.value_and_grad(_loss, state)(v, X, Y)[1])
+    grads, plain_grads = gradients(followed_state, followed), gradients(plain_state, plain)
     np.testing.assert_allclose(_saturation(grads), [1.0417507, 0.9851083], rtol=1e-5)
     np.testing.assert_allclose(_saturation(plain_grads), [1.458451, 1.9702165], rtol=1e-5)
 
@@ -421,6 +450,7 @@ def _meta_leaves(tree):
 @functools.cache
 def _meta_grad(loss_dtype):
     """The gradients from `jls.value_and_grad` of the loss in `loss_dtype`, at a given scale."""
+    X, Y, _ = _batch()
 
     def loss(variables):
         return _loss(variables, X, Y).astype(loss_dtype)
@@ -431,11 +461,23 @@ def _meta_grad(loss_dtype):
 @functools.cache
 def _flax_variables():
     """The variables after two steps that set the meta state as flax sets it."""
+    X, Y, _ = _batch()
     variables = initial_variables()
     for x in (X, 2 * X):
-        new = jax.grad(_loss)(variables, x, Y)[OWG]
+        new = FLAX_GRAD(variables, x, Y)[OWG]
         variables = {"params": variables["params"], OWG: new}
     return variables
+
+
+@functools.cache
+def _carried_grad(loss_dtype):
+    """flax's own gradient of the loss in `loss_dtype` times `carried`: one program per dtype."""
+    X, Y, _ = _batch()
+
+    def carried_loss(variables, carried):
+        return _loss(variables, X, Y).astype(loss_dtype).astype(jnp.float32) * carried
+
+    return jax.jit(jax.grad(carried_loss))
 
 
 @pytest.mark.parametrize("loss_dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
@@ -443,10 +485,11 @@ def _flax_variables():
 def test_value_and_grad_gives_the_meta_values_as_flax_computes_them(loss_dtype, scale):
     # Before: a float16 or bfloat16 loss multiplied them by the rest of the scale (at 2**16,
     # kernel_scale 2.0 where flax computes 1.0; at 1000, 1.953).
+    X, Y, _ = _batch()
     variables = _flax_variables()
     got = _meta_leaves(_meta_grad(loss_dtype)(variables, jnp.float32(scale)))
     # The forward side, whatever the scale and the loss dtype: flax's own gradient, bit for bit.
-    flax_meta = _meta_leaves(jax.grad(_loss)(variables, X, Y))
+    flax_meta = _meta_leaves(FLAX_GRAD(variables, X, Y))
     # The output gradients' side: flax's value for the part of the scale the backward pass
     # carries (a float16 loss carries at most 2**15: at 2**16 and 2**17 the layers run with
     # those leaves halved, quartered, and they come back doubled, quadrupled).
@@ -454,15 +497,13 @@ def test_value_and_grad_gives_the_meta_values_as_flax_computes_them(loss_dtype, 
     carried = min(scale, 2.0**15) if loss_dtype == jnp.float16 else scale
     carried = 2.0 ** np.floor(np.log2(carried)) if is_half else carried
     lift = 2.0 ** np.floor(np.log2(scale / carried)) if is_half else 1.0
-    lowered = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf / lift if path[-1].key.startswith("output_grad") else leaf,
+    lowered = jax.tree_util.tree_map_with_path(  # on the host: powers of two, exact
+        lambda path, leaf: (
+            np.asarray(leaf) / np.float32(lift) if path[-1].key.startswith("output_grad") else leaf
+        ),
         variables,
     )
-
-    def carried_loss(variables):
-        return _loss(variables, X, Y).astype(loss_dtype).astype(jnp.float32) * carried
-
-    flax_carried = _meta_leaves(jax.grad(carried_loss)(lowered))
+    flax_carried = _meta_leaves(_carried_grad(loss_dtype)(lowered, np.float32(carried)))
     assert got.keys() == flax_meta.keys()
     assert len(got) == 12
     for name, (leaf, output_side) in got.items():
@@ -478,6 +519,7 @@ def _three_routes(loss_dtype, loss_scale):
     whole-tree route and the exact route, from the same variables."""
     tx = jls.loss_scaled(optax.sgd(0.0), loss_scale)
     state = train_state.TrainState.create(apply_fn=MODEL.apply, params=initial_variables(), tx=tx)
+    _, Y, _ = _batch()
 
     def loss(variables, x):
         return _loss(variables, x, Y).astype(loss_dtype)
@@ -511,6 +553,7 @@ def _three_routes(loss_dtype, loss_scale):
 def test_every_route_keeps_flax_s_meta_values_over_steps(loss_dtype, loss_scale):
     # Before: a float16 loss at 2**16 doubled the amax histories every step (3.3e12 by step 40)
     # and every step was skipped from step 71.
+    X, Y, _ = _batch()
     tx, state, steps = _three_routes(loss_dtype, loss_scale)
     whole = exact = initial_variables()
     whole_state = exact_state = tx.init(initial_variables())
@@ -522,7 +565,7 @@ def test_every_route_keeps_flax_s_meta_values_over_steps(loss_dtype, loss_scale)
         )
         flax_variables = {
             "params": flax_variables["params"],
-            OWG: jax.grad(_loss)(flax_variables, x, Y)[OWG],
+            OWG: FLAX_GRAD(flax_variables, x, Y)[OWG],
         }
     expected = _meta_leaves(flax_variables)
     for route in (state.params, whole, exact):
@@ -549,7 +592,7 @@ def test_whole_tree_updates_set_half_precision_meta_exactly(dtype):
     params = {"params": {"w": jnp.ones(2)}, OWG: {"scale": jnp.asarray(old, dtype)}}
     grads = {"params": {"w": jnp.full(2, SCALE)}, OWG: {"scale": jnp.asarray(new, dtype)}}
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    got = optax.apply_updates(params, updates)[OWG]["scale"]
+    got = np.asarray(optax.apply_updates(params, updates)[OWG]["scale"])  # checked on the host
     if dtype == jnp.float32:  # one float32 addition cannot give 0.00174 from 1.0
         assert float(got[0]) != np.float32(0.00174)
         assert np.all(np.abs(got - new) <= np.spacing(np.maximum(old, new)))
@@ -573,14 +616,14 @@ def test_output_gradient_meta_saturates_instead_of_overflowing_on_a_growth(dtype
     name = "output_grad_amax_history"
     tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(4.0, increment_period=1))
     big = float(jnp.finfo(dtype).max) / 1.6
-    params = {"params": {"w": jnp.ones(2)}, OWG: {name: jnp.zeros(3, dtype)}}
+    params = {"params": {"w": jnp.ones(2)}, OWG: {name: jnp.asarray(np.zeros(3, dtype))}}
     grads = {"params": {"w": jnp.ones(2)}, OWG: {name: jnp.array([big, 1.0, 0.0], dtype)}}
     step = jax.jit(tx.update)
     updates, opt_state = step(grads, tx.init(params), params)
     assert float(jls.get_loss_scale(opt_state)) == 8.0  # it grew
     params = optax.apply_updates(params, updates)
     largest = jnp.finfo(dtype).max
-    assert_bits_equal(params[OWG][name], jnp.array([largest, 2.0, 0.0], dtype))
+    assert_bits_equal(params[OWG][name], np.array([largest, 2.0, 0.0], dtype))
     updates, opt_state = step(grads, opt_state, params)
     assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
     assert float(jls.get_loss_scale(opt_state)) == 16.0
@@ -594,6 +637,13 @@ class TinyMLP(nn.Module):
 
 
 @functools.cache
+def _tiny_variables():
+    """TinyMLP's initial variables, the same for every run: one program, not one per run."""
+    x0 = jax.random.normal(jax.random.key(3), (16, 4))
+    return jax.jit(TinyMLP().init)(jax.random.key(0), x0)
+
+
+@functools.cache
 def _long_run(steps, loss_dtype, initial_scale):
     """The whole-tree and exact routes side by side over `steps` steps of one `lax.scan`: the
     scale grows every 20 clean steps and backs off at an inf pixel every 25th step."""
@@ -603,8 +653,7 @@ def _long_run(steps, loss_dtype, initial_scale):
 
     scale = jls.DynamicLossScale(initial_scale, increment_period=20)
     tx = jls.loss_scaled(optax.adam(3e-3), scale)
-    x0 = jax.random.normal(jax.random.key(3), (16, 4))
-    variables = jax.jit(TinyMLP().init)(jax.random.key(0), x0)
+    variables = _tiny_variables()
     w_true = jnp.array([[1.0], [-2.0], [0.5], [1.5]])
 
     def body(carry, k):
@@ -683,6 +732,7 @@ def _shard_map_step(check_vma):
 def test_shard_map_needs_check_vma_false_for_flax_fp8_layers():
     # flax's fp8 custom VJP gives the meta leaves' cotangents without the device axis in their
     # type; shard_map's default check refuses them (docs/distributed.md says so).
+    X, Y, X_INF = _batch()
     step, tx = _shard_map_step(check_vma=True)
     with pytest.raises(Exception, match="manual axis types do not match"):
         step(initial_variables(), tx.init(initial_variables()), X, Y)
@@ -692,7 +742,9 @@ def test_shard_map_needs_check_vma_false_for_flax_fp8_layers():
     chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=0)
     assert float(_layer(got)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
     # One device's inf pixel: the step is skipped on every device.
-    kept, opt_state = step(initial_variables(), tx.init(initial_variables()), X_INF[::-1], Y[::-1])
+    # Reversed on the host: no program compiled.
+    x_inf, y = jnp.asarray(np.asarray(X_INF)[::-1]), jnp.asarray(np.asarray(Y)[::-1])
+    kept, opt_state = step(initial_variables(), tx.init(initial_variables()), x_inf, y)
     assert_bits_equal(kept, _followed(initial_variables(), 0.5))
     assert float(jls.get_loss_scale(opt_state)) == SCALE / 2
 
@@ -701,6 +753,7 @@ def test_optax_multisteps_outside_sets_the_meta_to_the_mean_of_the_microbatches(
     # The trap docs/integrations.md names: MultiSteps averages the meta leaves' updates as it
     # averages gradients, so each meta leaf ends the window at the mean of the microbatches'
     # values (an amax of 4.555 = mean(3.037, 6.074), below the largest); inside, each is kept.
+    X, Y, _ = _batch()
     tx = optax.MultiSteps(_tx(), 2)
     step = _whole_tree_step(tx)
     variables, opt_state = initial_variables(), tx.init(initial_variables())

@@ -21,9 +21,15 @@ import jax_lossscale as jls
 
 from helpers import assert_bits_equal
 
-X = jax.random.normal(jax.random.key(0), (16, 4))
-Y = jnp.sum(X, axis=1, keepdims=True)
-X_INF = X.at[3, 1].set(jnp.inf)  # one bad pixel
+
+@functools.cache
+def _batch():
+    """X, Y and X_INF: jax's random values, made at the first test that needs them, not at
+    import."""
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    x_inf = np.array(x)  # set on the host: no program compiled
+    x_inf[3, 1] = np.inf  # one bad pixel
+    return x, jnp.sum(x, axis=1, keepdims=True), jnp.asarray(x_inf)
 
 
 def _tx():
@@ -35,11 +41,12 @@ def _copies(tree):
 
 
 def _finite(tree):
-    return all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
+    return all(bool(np.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
 
 
 def test_haiku_style_state_dict_is_kept_on_a_skipped_step():
     """A hand-written BatchNorm whose state is a dict, as haiku's `hk.State` is."""
+    X, Y, X_INF = _batch()
 
     def forward(params, state, x):
         h = x @ params["w"]
@@ -71,7 +78,8 @@ def test_haiku_style_state_dict_is_kept_on_a_skipped_step():
     opt_state = tx.init(params)
     params, state, opt_state, _ = train_step(params, state, opt_state, X, Y)
     assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
-    assert float(state["batch_norm"]["var"][0]) != 1.0  # an applied step takes the new state
+    var = np.asarray(state["batch_norm"]["var"])  # read on the host: no program compiled
+    assert float(var[0]) != 1.0  # an applied step takes the new state
     before = _copies((params, state))
     params, state, opt_state, unkept = train_step(params, state, opt_state, X_INF, Y)
     assert not _finite(unkept)  # what the step would have kept without where_applied
@@ -88,6 +96,7 @@ class _LinenNet(nn.Module):
 
 
 def test_flax_linen_batch_stats_are_kept_on_a_skipped_step():
+    X, Y, X_INF = _batch()
     net, tx = _LinenNet(), _tx()
     variables = jax.jit(net.init, static_argnames="train")(jax.random.key(1), X, train=False)
     params, batch_stats = variables["params"], variables["batch_stats"]
@@ -135,6 +144,7 @@ class _NnxNet(nnx.Module):
 
 
 def test_flax_nnx_batch_stat_variables_are_kept_on_a_skipped_step():
+    X, Y, X_INF = _batch()
     model = _NnxNet(nnx.Rngs(2))
     optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
 
@@ -176,6 +186,7 @@ class _EquinoxNet(eqx.Module):
 
 
 def test_equinox_state_is_kept_on_a_skipped_step():
+    X, Y, X_INF = _batch()
     model, state = eqx.nn.make_with_state(_EquinoxNet)(jax.random.key(3))
     tx = _tx()
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
@@ -236,7 +247,8 @@ def test_mismatched_trees_are_refused_naming_the_leaf():
 def test_a_replicated_state_outside_pmap_is_refused():
     tx = _tx()
     params = {"w": jnp.ones(2)}
-    replicated = jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), tx.init(params))
+    # Stacked on the host: no program compiled.
+    replicated = jax.tree.map(lambda leaf: jnp.asarray(np.stack([leaf, leaf])), tx.init(params))
     with pytest.raises(ValueError, match=r"has shape \(2,\); call it inside the step"):
         jls.where_applied(replicated, {"a": jnp.ones(2)}, {"a": jnp.ones(2)})
 
@@ -256,6 +268,7 @@ def test_nnx_state_not_param_with_a_dropouts_rng_key_is_kept_on_a_skipped_step()
     """`nnx.state(model, nnx.Not(nnx.Param))` of a model with Dropout holds its RNG key
     (`key<fry>`), which was refused: every leaf had to be numeric. Typed keys are selected as
     any array: on the skipped step the statistics, the key and the counter are the old ones."""
+    X, Y, X_INF = _batch()
     model = _NnxDropoutNet(nnx.Rngs(params=2, dropout=5))
     optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
     not_params = nnx.Not(nnx.Param)
