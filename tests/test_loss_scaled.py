@@ -17,18 +17,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax_lossscale as jls
 from jax_lossscale._numerics import check_gradients
 
-from helpers import assert_bits_equal, stats_tuple
+from helpers import assert_bits_equal, device_array, stats_tuple
 
 NONFINITE = [jnp.nan, jnp.inf, -jnp.inf]
 HALF_DTYPES = [jnp.float16, jnp.bfloat16]
 
 
+# The tests' inputs are made by NumPy and copied to the device: no op is compiled for them.
 def scaled(grads, scale):
-    return jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grads)
+    """`grads` times `scale` (a power of two: exact), as jax arrays."""
+    return jax.tree.map(lambda g: jnp.asarray(np.asarray(g) * np.asarray(scale, g.dtype)), grads)
 
 
 def with_bad_value(grads, bad):
-    return {**grads, "w": grads["w"].at[1].set(bad)}
+    w = np.array(grads["w"])
+    w[1] = bad
+    return {**grads, "w": jnp.asarray(w)}
 
 
 def exact(message: str) -> str:
@@ -138,8 +142,8 @@ def test_grad_norm_does_not_overflow_at_a_scale_of_2_pow_70(jit_or_eager, make_i
     float32 (2**140), the unscaled ones' do not. grad_norm is 1.0 for every optimizer,
     and with `skip_grad_norm_above=10` the step is applied, not taken for a spike."""
     tx = jls.loss_scaled(make_inner(), jls.DynamicLossScale(2.0**70), skip_grad_norm_above=10.0)
-    params = {"w": jnp.zeros((2, 2))}
-    grads = {"w": jnp.array([[0.6, 0.0], [0.0, 0.8]]) * np.float32(2.0**70)}
+    params = {"w": jnp.asarray(np.zeros((2, 2), np.float32))}
+    grads = {"w": jnp.asarray(np.array([[0.6, 0.0], [0.0, 0.8]], np.float32) * np.float32(2.0**70))}
     _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
     stats = jls.get_loss_scale_stats(opt_state)
     assert (float(stats.grad_norm), int(stats.skipped_steps)) == (1.0, 0)
@@ -228,13 +232,15 @@ def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eag
     same check takes it (`all_finite`'s reductions, which join small leaves on one device),
     and, where the leaves may be sharded and each is reduced apart, as optax takes it."""
     place = _on_a_mesh if placement == "a mesh of 8 devices" else (lambda tree: tree)
-    unscaled = place({"w": jnp.array([0.1, -2.5, 3e-3]), "b": jnp.array([7.0, 1e-20])})
-    params = jax.tree.map(jnp.zeros_like, unscaled)
+    host = {"w": np.array([0.1, -2.5, 3e-3], np.float32), "b": np.array([7.0, 1e-20], np.float32)}
+    unscaled = place(jax.tree.map(jnp.asarray, host))
+    params = place(jax.tree.map(lambda x: jnp.asarray(np.zeros_like(x)), host))
     expected = jit_or_eager(lambda g: check_gradients(g, None).norm, unscaled)
     for loss_scale in [jls.DynamicLossScale(2.0**15), jls.FixedLossScale(2.0**60)]:
         tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
         scale = float(loss_scale(loss_scale.init()))
-        _, opt_state = jit_or_eager(tx.update, scaled(unscaled, scale), tx.init(params), params)
+        grads = place(scaled(host, scale))
+        _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
         norm = jls.get_loss_scale_stats(opt_state).grad_norm
         assert norm == expected, loss_scale
         if placement == "a mesh of 8 devices":
@@ -246,11 +252,13 @@ def test_grad_norm_of_the_scaled_check_is_the_unscaled_gradients_norm(jit_or_eag
 
 
 def array_of(dtype, real, imag):
-    """`real + imag * 1j` for a complex dtype, else `real`; signed zeros and NaN kept."""
+    """`real + imag * 1j` for a complex dtype, else `real`, as a NumPy array; signed zeros and
+    NaN kept."""
     if not jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.asarray(real, dtype)
-    part = jnp.finfo(dtype).dtype
-    return jax.lax.complex(jnp.asarray(real, part), jnp.asarray(imag, part))
+        return np.asarray(real, dtype)
+    array = np.empty(np.shape(real), dtype)
+    array.real, array.imag = real, imag
+    return array
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, *HALF_DTYPES, jnp.complex64])
@@ -261,6 +269,7 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, 
     # Complex parts pair each special value with another: (0, -2), (-0, 1.5), (nan, -inf)...
     params = {"w": array_of(dtype, special, special[::-1]), "b": array_of(dtype, -0.0, 0.0)}
     grads = {"w": array_of(dtype, [64.0] * 7, [-64.0] * 7), "b": array_of(dtype, -32.0, 16.0)}
+    params, grads = jax.tree.map(jnp.asarray, (params, grads))  # the update gets jax arrays
     is_complex = jnp.issubdtype(dtype, jnp.complexfloating)
     _, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
     assert int(opt_state.inner_state[0].count) == 1
@@ -269,8 +278,9 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, 
     expected_scale = 64.0
     for skipped, bad in enumerate(NONFINITE, start=1):
         # A complex gradient overflows in its imaginary part.
-        bad_value = array_of(dtype, 64.0, bad) if is_complex else bad
-        bad_grads = {"w": grads["w"].at[3].set(bad_value), "b": grads["b"]}
+        bad_w = np.array(grads["w"])
+        bad_w[3] = array_of(dtype, 64.0, bad) if is_complex else bad
+        bad_grads = {"w": jnp.asarray(bad_w), "b": grads["b"]}
         updates, new_state = jit_or_eager(tx.update, bad_grads, opt_state, params)
         expected_scale /= 2
         assert stats_tuple(new_state) == (expected_scale, skipped, False)
@@ -290,8 +300,10 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(jit_or_eager, 
 @pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "+inf", "-inf"])
 def test_each_nonfinite_value_triggers_a_skip(jit_or_eager, bad):
     tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(initial_loss_scale=16.0))
-    params = {"a": jnp.ones(2), "b": jnp.ones((2, 2), jnp.bfloat16)}
-    grads = {"a": jnp.ones(2), "b": jnp.ones((2, 2), jnp.bfloat16).at[1, 0].set(bad)}
+    params = {"a": np.ones(2, np.float32), "b": np.ones((2, 2), jnp.bfloat16)}
+    grads = {"a": np.ones(2, np.float32), "b": np.ones((2, 2), jnp.bfloat16)}
+    grads["b"][1, 0] = bad
+    params, grads = jax.tree.map(jnp.asarray, (params, grads))  # made by NumPy: no op compiled
     updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
     assert stats_tuple(opt_state) == (8.0, 1, False)
     assert_bits_equal(optax.apply_updates(params, updates), params)
@@ -515,7 +527,7 @@ def test_multisteps_outside_the_wrapper_is_a_trap(jit_or_eager):
             params = optax.apply_updates(params, updates)
         assert_bits_equal(params, initial_params)
         # The reset multiplies the accumulator by zero: 0 * inf is NaN, and NaN stays.
-        assert np.isnan(np.asarray(opt_state.acc_grads["w"][0]))
+        assert np.isnan(np.asarray(opt_state.acc_grads["w"])[0])
         assert stats_tuple(opt_state) == (expected_scales[window], window + 1, False)
 
 
@@ -532,7 +544,7 @@ def test_multisteps_around_apply_if_finite_has_the_same_fault(jit_or_eager):
             updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         assert_bits_equal(params, initial_params)
-        assert np.isnan(np.asarray(opt_state.acc_grads["w"][0]))
+        assert np.isnan(np.asarray(opt_state.acc_grads["w"])[0])
         # Every window is refused, not only the one with the overflow.
         assert int(opt_state.inner_opt_state.total_notfinite) == window
         assert int(opt_state.inner_opt_state.notfinite_count) == window
@@ -582,21 +594,30 @@ def test_half_precision_dtypes(jit_or_eager, dtype, make_inner):
     from float32 gradients."""
     inner = make_inner(0.125)
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=256.0))
-    params = {"w": jnp.array([1.0, -2.0, 4.0], dtype), "b": jnp.array(0.5, dtype)}
+    # Inputs made by NumPy (exact: powers of two) and copied to the device: no op compiled.
+    host_params = {"w": np.array([1.0, -2.0, 4.0], dtype), "b": np.array(0.5, dtype)}
+    params = jax.tree.map(jnp.asarray, host_params)
     init_state = tx.init(params)
     unscaled_dtype = jnp.float32 if dtype == jnp.float16 else dtype
     # The inner state is made for the gradients it will get: float32 for float16 params.
-    inner_init = inner.init(jax.tree.map(lambda p: p.astype(unscaled_dtype), params))
+    inner_init = inner.init(
+        jax.tree.map(lambda p: jnp.asarray(p.astype(unscaled_dtype)), host_params)
+    )
     chex.assert_trees_all_equal(init_state.inner_state, inner_init, strict=True)
-    grads = {"w": jnp.array([256.0, -512.0, 128.0], dtype), "b": jnp.array(64.0, dtype)}
-    true_grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / 256).astype(unscaled_dtype), grads)
+    host_grads = {"w": np.array([256.0, -512.0, 128.0], dtype), "b": np.array(64.0, dtype)}
+    grads = jax.tree.map(jnp.asarray, host_grads)
+    true_grads = jax.tree.map(
+        lambda g: jnp.asarray((g.astype(np.float32) / 256).astype(unscaled_dtype)), host_grads
+    )
     updates, opt_state = jit_or_eager(tx.update, grads, init_state, params)
     ref_updates, ref_state = jit_or_eager(inner.update, true_grads, inner_init, params)
     chex.assert_trees_all_equal_dtypes(updates, true_grads)
     assert_bits_equal(updates, ref_updates)
     assert_bits_equal(opt_state.inner_state, ref_state)
 
-    bad = {"w": grads["w"].at[0].set(jnp.inf), "b": grads["b"]}
+    bad_w = host_grads["w"].copy()
+    bad_w[0] = np.inf
+    bad = {"w": jnp.asarray(bad_w), "b": grads["b"]}
     updates, skipped_state = jit_or_eager(tx.update, bad, opt_state, params)
     chex.assert_trees_all_equal_dtypes(updates, true_grads)
     chex.assert_trees_all_equal_dtypes(skipped_state, opt_state)
@@ -610,7 +631,7 @@ def test_float16_gradients_of_float32_params_are_unscaled_to_float32(jit_or_eage
     to float32 adam's updates are about -1e-3 each, those of bare adam on the true values."""
     true = np.array([1e-6, 2e-6, 3e-5, 1e-3], np.float32)
     grads = {"w": jnp.asarray((true * 2**15).astype(np.float16))}
-    params = {"w": jnp.zeros(4, jnp.float32)}
+    params = {"w": jnp.asarray(np.zeros(4, np.float32))}
     tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(2.0**15))
     updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
 
@@ -618,7 +639,7 @@ def test_float16_gradients_of_float32_params_are_unscaled_to_float32(jit_or_eage
     np.testing.assert_allclose(
         updates["w"], [-0.00099009, -0.00099502, -0.00099966, -0.00099998], rtol=1e-5
     )
-    unscaled = {"w": grads["w"].astype(jnp.float32) / 2**15}
+    unscaled = {"w": jnp.asarray(np.asarray(grads["w"], np.float32) / np.float32(2**15))}
     ref_updates, ref_state = optax.adam(1e-3).update(unscaled, optax.adam(1e-3).init(params))
     assert_bits_equal(updates, ref_updates)
     assert_bits_equal(opt_state.inner_state, ref_state)
@@ -627,8 +648,9 @@ def test_float16_gradients_of_float32_params_are_unscaled_to_float32(jit_or_eage
 
 def test_float16_gradients_of_float64_params_come_back_float64(jit_or_eager):
     with jax.enable_x64(True):
-        params = {"w": jnp.zeros(2, jnp.float64), "v": jnp.zeros(2, jnp.float32)}
-        grads = {"w": jnp.array([3.0, 1e-3], jnp.float16), "v": jnp.array([3.0, 1.0], jnp.float16)}
+        params = {"w": np.zeros(2, np.float64), "v": np.zeros(2, np.float32)}
+        grads = {"w": np.array([3.0, 1e-3], np.float16), "v": np.array([3.0, 1.0], np.float16)}
+        params, grads = jax.tree.map(jnp.asarray, (params, grads))  # made by NumPy: no compile
         tx = jls.loss_scaled(optax.sgd(1.0), jls.FixedLossScale(4.0))
         updates, _ = jit_or_eager(tx.update, grads, tx.init(params), params)
         expected_w = np.array([-0.75, -np.float16(1e-3) / 4], np.float64)
@@ -983,20 +1005,20 @@ def passthrough_integers() -> optax.GradientTransformation:
     [
         (
             optax.sgd(1.0),
-            {"w": jnp.array([1.0, 2.0]), "frozen": None},
-            {"w": jnp.array([4.0, -8.0]), "frozen": None},
-            {"w": jnp.array([-1.0, 2.0]), "frozen": None},
-            {"w": jnp.array([jnp.nan, 0.0]), "frozen": None},
-            {"w": jnp.array([-0.0, -0.0]), "frozen": None},
+            {"w": device_array([1.0, 2.0]), "frozen": None},
+            {"w": device_array([4.0, -8.0]), "frozen": None},
+            {"w": device_array([-1.0, 2.0]), "frozen": None},
+            {"w": device_array([jnp.nan, 0.0]), "frozen": None},
+            {"w": device_array([-0.0, -0.0]), "frozen": None},
         ),
         (
             passthrough_integers(),
-            {"w": jnp.array([1.0, 2.0]), "n": jnp.array([3, 4], jnp.int32)},
+            {"w": device_array([1.0, 2.0]), "n": device_array([3, 4], np.int32)},
             # Integer leaves are not unscaled: 12 stays 12 at scale 4.
-            {"w": jnp.array([4.0, -8.0]), "n": jnp.array([12, -5], jnp.int32)},
-            {"w": jnp.array([-1.0, 2.0]), "n": jnp.array([12, -5], jnp.int32)},
-            {"w": jnp.array([jnp.inf, 0.0]), "n": jnp.array([12, -5], jnp.int32)},
-            {"w": jnp.array([-0.0, -0.0]), "n": jnp.array([0, 0], jnp.int32)},
+            {"w": device_array([4.0, -8.0]), "n": device_array([12, -5], np.int32)},
+            {"w": device_array([-1.0, 2.0]), "n": device_array([12, -5], np.int32)},
+            {"w": device_array([jnp.inf, 0.0]), "n": device_array([12, -5], np.int32)},
+            {"w": device_array([-0.0, -0.0]), "n": device_array([0, 0], np.int32)},
         ),
         (optax.adam(0.1), {}, {}, {}, None, None),
     ],
@@ -1075,7 +1097,8 @@ def test_jitted_train_step_traces_once():
 
     overflow_steps = {25, 26, 60}
     opt_state = tx.init(params)
-    initial_loss = float(loss_fn(params, x, y))
+    loss_of = jax.jit(loss_fn)  # the check's loss: one program, not one per op
+    initial_loss = float(loss_of(params, x, y))
     scales = []
     for step in range(100):
         factor = jnp.float32(jnp.inf if step in overflow_steps else 1.0)
@@ -1100,7 +1123,7 @@ def test_jitted_train_step_traces_once():
     assert scales[-1] == 2.0**13
     assert max(scales) == 2.0**13
     assert int(opt_state.stats.skipped_steps) == 3
-    assert float(loss_fn(params, x, y)) < initial_loss
+    assert float(loss_of(params, x, y)) < initial_loss
 
 
 def test_the_inner_update_is_traced_once_per_trace_of_the_step():

@@ -216,9 +216,10 @@ class EqxModule1(eqx.Module):
         self.c = LeafClass()
 
 
-F32_ARRAY = jnp.array([1.0, 2.0, 3.0], dtype=jnp.float32)
-F16_ARRAY = jnp.array([1.0, 2.0, 3.0], dtype=jnp.float16)
-BF16_ARRAY = jnp.array([1.0, 2.0, 3.0], dtype=jnp.bfloat16)
+# Built by numpy and copied to the device: nothing is compiled at import.
+F32_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+F16_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=np.float16))
+BF16_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=jnp.bfloat16))
 NESTED = {"a": F32_ARRAY, "b": {"c": F16_ARRAY, "d": BF16_ARRAY}}
 
 
@@ -864,7 +865,7 @@ def test_full_precision_gradients_flow_back_in_the_input_dtype():
 
 # --- casts return strongly typed arrays ---------------------------------------------------------
 
-H16 = jnp.full(3, 300.0, jnp.float16)
+H16 = jnp.asarray(np.full(3, 300.0, np.float16))  # copied to the device: no compile
 
 
 def cast_to_full_scaled_by_1000(cast):
@@ -916,7 +917,7 @@ def test_casts_return_strong_arrays_and_keep_a_strong_array_of_the_dtype_as_it_i
 
 # --- full_precision passes what needs no widening as itself -------------------------------
 
-X16 = jnp.arange(8, dtype=jnp.float16).reshape(4, 2)  # batch means [3, 4]
+X16 = jnp.asarray(np.arange(8, dtype=np.float16).reshape(4, 2))  # batch means [3, 4]
 
 
 def through_full_precision(module, h):

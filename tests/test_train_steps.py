@@ -96,8 +96,8 @@ def make_train_step(tx, **jit_kwargs):
 
 def data(step):
     """Step 2 overflows float16 at any scale >= 2**4; the others are finite at 2**12."""
-    x = jnp.full((8, 4), 1e4 if step == 2 else 0.5, jnp.float32)
-    return x, jnp.ones((8, 1))
+    x = np.full((8, 4), 1e4 if step == 2 else 0.5, np.float32)
+    return jnp.asarray(x), jnp.asarray(np.ones((8, 1), np.float32))
 
 
 def initial_params():
@@ -250,11 +250,12 @@ def test_a_loss_scale_whose_state_holds_no_loss_scale_is_refused_by_loss_scaled(
 
 # --- 4. float8 leaves mixed with other floats -----------------------------------------------
 
+# Zeros built by numpy and copied to the device: nothing is compiled at import.
 FLOAT8_PARAMS = {
-    "e4m3": jnp.zeros(2, jnp.float8_e4m3fn),
-    "e5m2": jnp.zeros(2, jnp.float8_e5m2),
-    "half": jnp.zeros(2, jnp.bfloat16),
-    "full": jnp.zeros(2, jnp.float32),
+    "e4m3": jnp.asarray(np.zeros(2, jnp.float8_e4m3fn)),
+    "e5m2": jnp.asarray(np.zeros(2, jnp.float8_e5m2)),
+    "half": jnp.asarray(np.zeros(2, jnp.bfloat16)),
+    "full": jnp.asarray(np.zeros(2, np.float32)),
 }
 
 
@@ -272,17 +273,21 @@ FLOAT8_PARAMS = {
 def test_float8_leaves_mixed_with_other_floats(jit_or_eager, bad, expected_kind):
     tx = jls.loss_scaled(optax.sgd(1.0), jls.DynamicLossScale(1.0))
     # 448 is float8_e4m3fn's largest value: its square overflows, and e4m3fn has no inf.
-    grads = {key: jnp.array([448.0, 0.5]).astype(x.dtype) for key, x in FLOAT8_PARAMS.items()}
+    # Built by numpy (no op compiled), given to the update as jax arrays.
+    host = {
+        key: np.array([448.0, 0.5], np.float32).astype(x.dtype) for key, x in FLOAT8_PARAMS.items()
+    }
     if bad is not None:
         key, value = bad
-        grads[key] = grads[key].at[1].set(value)
+        host[key][1] = value
+    grads = jax.tree.map(jnp.asarray, host)
     updates, opt_state = jit_or_eager(tx.update, grads, tx.init(FLOAT8_PARAMS), FLOAT8_PARAMS)
     stats = jls.get_loss_scale_stats(opt_state)
     if bad is None:
-        assert_bits_equal(updates, jax.tree.map(jnp.negative, grads))
+        assert_bits_equal(updates, jax.tree.map(np.negative, host))
         assert int(stats.skipped_steps) == 0
         return
-    assert_bits_equal(updates, jax.tree.map(lambda x: jnp.full_like(x, -0.0), grads))
+    assert_bits_equal(updates, jax.tree.map(lambda x: np.full_like(x, -0.0), host))
     counts = {
         name: int(getattr(stats, name)) for name in ("nan_skipped_steps", "inf_skipped_steps")
     }
@@ -298,7 +303,9 @@ def _dynamic_state(scale, good_steps, overflows_until_backoff):
     )
 
 
-FINITE, NON_FINITE = {"w": jnp.ones(2)}, {"w": jnp.array([1.0, jnp.inf])}
+# Built by numpy and copied to the device: nothing is compiled at import.
+FINITE = {"w": jnp.asarray(np.ones(2, np.float32))}
+NON_FINITE = {"w": jnp.asarray(np.array([1.0, np.inf], np.float32))}
 
 RESUMED = [
     # (id, the loss scale now, the saved state, gradients of the next update, state after it)
@@ -396,7 +403,7 @@ def test_what_a_skip_keeps_through_apply_updates_on_cpu():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    nan_grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    nan_grads = jax.tree.map(lambda p: jnp.asarray(np.full_like(p, np.nan)), params)
     new_params, new_state = skipped_step(params, opt_state, nan_grads)
     got = bits(new_params)
     # float32: subnormals flushed to zeros of their sign, a signalling NaN quieted.
@@ -418,7 +425,7 @@ def test_what_a_skip_keeps_through_apply_updates_on_cpu():
 
 def test_a_skip_returns_the_inner_state_bit_for_bit_subnormals_and_signalling_nans_included():
     tx = jls.loss_scaled(optax.sgd(0.1, momentum=0.9), jls.DynamicLossScale())
-    params = {"w": jnp.zeros(4)}
+    params = {"w": jnp.asarray(np.zeros(4, np.float32))}
     trace = {"w": _float32_bits(0x00000001, 0x80000001, 0x7F800001, 0x7FA00000)}
     opt_state = tx.init(params)
     opt_state = opt_state._replace(
