@@ -26,7 +26,7 @@ import pytest
 
 import jax_lossscale as jls
 
-from helpers import jitted
+from helpers import device_array, jitted
 
 NAN, INF = math.nan, math.inf
 F32_MAX_TEXT = "at most the float32 maximum (3.4028234663852886e+38)"
@@ -35,11 +35,12 @@ BACKOFF_TEXT = "None or in the open interval (0, 1)"
 LEAF_TEXT = "every leaf must be a JAX or NumPy array (or None)"
 ARRAY = "@ARRAY@"  # in an expected message: the type of an array, concrete or traced
 
+
 DYN = jls.DynamicLossScale(initial_loss_scale=8.0, increment_period=2)
 DYN_STATE = DYN.init()
 FIX = jls.FixedLossScale(4.0)
 FIX_STATE = FIX.init()
-PARAMS = {"w": jnp.array([1.0, 2.0])}
+PARAMS = {"w": device_array([1.0, 2.0])}
 TX = jls.loss_scaled(optax.adam(1e-3), DYN)
 TX_STATE = TX.init(PARAMS)
 SGD_TX_STATE = jls.loss_scaled(optax.sgd(0.1), DYN).init(PARAMS)
@@ -125,9 +126,9 @@ _REAL_BAD_TYPES = ["2", [2.0], True, 2 + 0j]
 # A concrete scalar array of a real dtype counts as its number; other arrays are refused
 # naming what they are.
 _REAL_BAD_ARRAYS = [
-    (jnp.ones(1), "ArrayImpl of dtype float32 and shape (1,)"),
+    (device_array([1.0]), "ArrayImpl of dtype float32 and shape (1,)"),
     (np.array([2.0, 4.0]), "ndarray of dtype float64 and shape (2,)"),
-    (jnp.asarray(2 + 0j, jnp.complex64), "ArrayImpl of dtype complex64 and shape ()"),
+    (device_array(2 + 0j, np.complex64), "ArrayImpl of dtype complex64 and shape ()"),
     (jnp.bool_(True), "ArrayImpl of dtype bool and shape ()"),
 ]
 _REAL_PARAMS = {
@@ -333,7 +334,7 @@ add_hyperparameter(
 
 
 def _state_calls(ls):
-    tree = {"w": jnp.array([16.0, 32.0])}
+    tree = {"w": device_array([16.0, 32.0])}
     return {
         "__call__": lambda ls, state: ls(state),
         "scale": lambda ls, state: ls.scale(state, tree),
@@ -393,7 +394,7 @@ _DYN_BAD_STATES = [
     ("bare_scale", DYN_STATE.loss_scale, TypeError, "state", ARRAY, _kind_message(DYN, ARRAY)),
     (
         "float16_scale",
-        DYN_STATE._replace(loss_scale=jnp.float16(8.0)),
+        DYN_STATE._replace(loss_scale=device_array(8.0, np.float16)),
         TypeError,
         "state.loss_scale",
         "dtype float16",
@@ -445,7 +446,7 @@ _DYN_BAD_STATES = [
     ),
     (
         "stacked_for_pmap",
-        jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), DYN_STATE),
+        jax.tree.map(lambda leaf: jnp.asarray(np.stack([leaf, leaf])), DYN_STATE),
         ValueError,
         "state.loss_scale",
         "shape (2,)",
@@ -465,7 +466,7 @@ _FIX_BAD_STATES = [
     ("dict", FIX_STATE._asdict(), TypeError, "state", "dict", _kind_message(FIX, "dict")),
     (
         "float16_scale",
-        jls.FixedLossScaleState(jnp.float16(4.0)),
+        jls.FixedLossScaleState(device_array(4.0, np.float16)),
         TypeError,
         "state.loss_scale",
         "dtype float16",
@@ -481,7 +482,7 @@ _FIX_BAD_STATES = [
     ),
     (
         "vector_scale",
-        jls.FixedLossScaleState(jnp.ones(3, jnp.float32)),
+        jls.FixedLossScaleState(device_array(np.ones(3))),
         ValueError,
         "state.loss_scale",
         "shape (3,)",
@@ -560,7 +561,7 @@ for _caller, (_call, _arg) in _TREE_CALLS.items():
 
 # --- axis_name -----------------------------------------------------------------------------
 
-_GRADS = {"w": jnp.array([1.0, 2.0])}
+_GRADS = {"w": device_array([1.0, 2.0])}
 add(
     "DynamicLossScale.update-axis_name=list",
     lambda state, grads: DYN.update(state, grads, axis_name=["batch"]),
@@ -1144,7 +1145,7 @@ for _id, _counts, _path, _shown in [
     ("object", {"a": OBJ}, "['a']", repr(OBJ)),
     ("float", {"a": 1.0}, "['a']", "1.0"),
     ("bool", [True], "[0]", "True"),
-    ("gradients", {"a": jnp.array([1.0, jnp.nan])}, "['a']", "array([ 1., nan], dtype=float32)"),
+    ("gradients", {"a": device_array([1.0, np.nan])}, "['a']", "array([ 1., nan], dtype=float32)"),
 ]:
     add(
         f"non_finite_paths-counts={_id}",
@@ -1238,7 +1239,7 @@ def test_bad_input_is_refused_naming_argument_and_value(case: Case, mode: str):
 
 # --- None leaves are not bad input: they are ignored (docs/optax-wrapper.md) ----------------
 
-NONE_GRADS = {"b": None, "w": jnp.array([8.0, jnp.inf]), "z": (None, jnp.array([16.0]))}
+NONE_GRADS = {"b": None, "w": device_array([8.0, np.inf]), "z": (None, device_array([16.0]))}
 
 
 def test_none_leaves_are_ignored_by_all_finite_and_count_non_finite():

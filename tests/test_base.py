@@ -14,16 +14,16 @@ import pytest
 
 import jax_lossscale as jls
 
-from helpers import assert_bits_equal, compiled_reductions
+from helpers import assert_bits_equal, compiled_reductions, device_array
 
 # Scaled gradients of four steps: finite, +inf, NaN, finite; a leaf of each kind of size.
 STEPS = [
-    {"w": jnp.array([8.0, -16.0, 4.0]), "b": jnp.array(2.0)},
-    {"w": jnp.array([8.0, jnp.inf, 4.0]), "b": jnp.array(2.0)},
-    {"w": jnp.array([8.0, 1.0, 4.0]), "b": jnp.array(jnp.nan)},
-    {"w": jnp.array([3.0, 5.0, -7.0]), "b": jnp.array(1.0)},
+    {"w": device_array([8.0, -16.0, 4.0]), "b": jnp.array(2.0)},
+    {"w": device_array([8.0, np.inf, 4.0]), "b": jnp.array(2.0)},
+    {"w": device_array([8.0, 1.0, 4.0]), "b": jnp.array(jnp.nan)},
+    {"w": device_array([3.0, 5.0, -7.0]), "b": jnp.array(1.0)},
 ]
-PARAMS = {"w": jnp.array([1.0, 2.0, 3.0]), "b": jnp.array(0.5)}
+PARAMS = {"w": device_array([1.0, 2.0, 3.0]), "b": jnp.array(0.5)}
 
 
 def _run(loss_scale, steps=STEPS, inner=None):
@@ -182,7 +182,7 @@ def test_a_loss_scale_defining_neither_adjust_nor_update_cannot_be_made():
 
 
 @pytest.mark.parametrize("ls", [jls.DynamicLossScale(), jls.FixedLossScale(2.0)])
-@pytest.mark.parametrize("flag", [jnp.array([True]), jnp.float32(1.0), "yes"])
+@pytest.mark.parametrize("flag", [device_array([True], np.bool_), jnp.float32(1.0), "yes"])
 def test_adjust_refuses_a_flag_that_is_not_a_bool_scalar(ls, flag):
     name = type(ls).__name__
     with pytest.raises(TypeError, match=rf"^{name}\.adjust\(grads_finite=.*must be a bool"):

@@ -14,7 +14,7 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale._branches import apply_or_skip, holds_exactly, skips_by_select
 
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, device_array
 
 MIXED_INNERS = {
     "adam": lambda: optax.adam(1e-3),
@@ -38,11 +38,14 @@ def assert_close_in_dtype(actual, expected, eps):
 def test_half_precision_params_with_float32_grads_work_as_bare_optax(make_inner, param_dtype):
     inner = make_inner()
     tx = jls.loss_scaled(inner, jls.DynamicLossScale(initial_loss_scale=2.0**8))
-    params = {"w": jnp.array([1.0, -2.0, 0.5], param_dtype), "b": jnp.array(0.25, param_dtype)}
+    params = {
+        "w": device_array([1.0, -2.0, 0.5], param_dtype),
+        "b": device_array(0.25, param_dtype),
+    }
     true_grads = [
-        {"w": jnp.array([0.5, -0.25, 2.0]), "b": jnp.float32(-1.0)},
-        {"w": jnp.array([jnp.inf, 0.0, 1.0]), "b": jnp.float32(1.0)},  # skipped
-        {"w": jnp.array([0.125, 0.75, -1.5]), "b": jnp.float32(0.5)},
+        {"w": device_array([0.5, -0.25, 2.0]), "b": jnp.float32(-1.0)},
+        {"w": device_array([np.inf, 0.0, 1.0]), "b": jnp.float32(1.0)},  # skipped
+        {"w": device_array([0.125, 0.75, -1.5]), "b": jnp.float32(0.5)},
     ]
     opt_state = tx.init(params)
     # float16 gradients are unscaled to float32: the inner state is made float32 for them.
@@ -84,9 +87,9 @@ def test_first_step_skipped_keeps_the_half_precision_state_values_as_float32(par
         return updates, {"mean": mean}
 
     tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
-    params = {"w": jnp.array([1.0, -3.5, 2.0**-10, -0.0], param_dtype)}
+    params = {"w": device_array([1.0, -3.5, 2.0**-10, -0.0], param_dtype)}
     step = jax.jit(tx.update, donate_argnums=(1,))
-    updates, opt_state = step({"w": jnp.array([1.0, jnp.nan, 0.0, 0.0])}, tx.init(params), params)
+    updates, opt_state = step({"w": device_array([1.0, np.nan, 0.0, 0.0])}, tx.init(params), params)
     assert_bits_equal(opt_state.inner_state, {"mean": {"w": params["w"].astype(jnp.float32)}})
     assert_bits_equal(updates, {"w": jnp.full(4, -0.0)})
     scale = jls.get_loss_scale(opt_state)
@@ -292,9 +295,9 @@ def test_sgd_with_momentum_skips_nan_and_inf_batches_keeping_every_bit(jit_or_ea
     step = jax.jit(step, donate_argnums=(0, 1)) if jit_or_eager is jax.jit else step
     # Float16 gradients come back float32, so a float16 param's momentum would become float32
     # after the first step (as bare optax makes it from float32 gradients) and retrace.
-    params = {"w": jnp.array([1.0, -2.0, 0.0]), "h": jnp.array([0.5, -0.5], jnp.float32)}
+    params = {"w": device_array([1.0, -2.0, 0.0]), "h": device_array([0.5, -0.5])}
     opt_state = tx.init(params)
-    finite = {"w": jnp.array([8.0, 4.0, -8.0]), "h": jnp.array([2.0, 8.0], jnp.float16)}
+    finite = {"w": device_array([8.0, 4.0, -8.0]), "h": device_array([2.0, 8.0], np.float16)}
     params, opt_state = step(params, opt_state, finite)
     before = jax.tree.map(np.asarray, (params, opt_state.inner_state))
     bad_batches = (

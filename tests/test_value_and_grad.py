@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
 
-from helpers import ReferenceLossScale, assert_bits_equal, bits
+from helpers import ReferenceLossScale, assert_bits_equal, bits, device_array
 
 F16, F32 = jnp.float16, jnp.float32
 POLICY = jls.get_policy("p=f32,c=f16,o=f32")
@@ -37,14 +37,14 @@ def exactly(message):
 
 def small_params():
     return {
-        "w": jnp.array([[0.5, -1.0, 0.25], [1.5, 0.75, -0.5]], F32),
-        "b": jnp.array([0.125, -0.25, 0.5], F32),
+        "w": device_array([[0.5, -1.0, 0.25], [1.5, 0.75, -0.5]]),
+        "b": device_array([0.125, -0.25, 0.5]),
     }
 
 
 def small_batch():
-    x = jnp.array([[1.0, -2.0], [0.5, 0.25], [-1.5, 3.0], [2.0, 1.0]], F32)
-    y = jnp.array([[0.5, 0.0, -1.0], [1.0, 1.0, 0.0], [0.0, -0.5, 0.5], [1.5, 0.0, 0.25]], F32)
+    x = device_array([[1.0, -2.0], [0.5, 0.25], [-1.5, 3.0], [2.0, 1.0]])
+    y = device_array([[0.5, 0.0, -1.0], [1.0, 1.0, 0.0], [0.0, -0.5, 0.5], [1.5, 0.0, 0.25]])
     return x, y
 
 
@@ -81,7 +81,8 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
     # of two in it (3.0 = 2 * 1.5), and the gradients are times the rest in float32.
     power = scale if dtype == F32 else {3.0: 2.0}.get(scale, scale)
 
-    def both(params, opt_state, x, y):
+    # `power` an argument, not a constant: jitted, one program per dtype, not per scale.
+    def both(params, opt_state, x, y, power):
         value, grads = jls.value_and_grad(fun, opt_state)(params, x, y)
         own = fun(params, x, y)
         s = jls.get_loss_scale(opt_state)
@@ -89,7 +90,7 @@ def test_value_is_funs_own_and_grads_those_of_value_times_scale_in_float32(
         expected = jax.tree.map(lambda g: g * (s / power), expected)
         return value, own, grads, expected
 
-    value, own, grads, expected = jit_or_eager(both, params, opt_state, x, y)
+    value, own, grads, expected = jit_or_eager(both, params, opt_state, x, y, power)
     assert value.dtype == dtype
     assert np.asarray(value).tobytes() == np.asarray(own).tobytes()
     assert_bits_equal(grads, expected)
@@ -333,7 +334,7 @@ def test_an_opt_state_replicated_for_pmap_names_the_scales_shape():
     """Outside the pmapped step, a replicated (stacked) state holds a scale of shape (8,): jax's
     "Gradient only defined for scalar-output functions ... (8,)" named neither."""
     tx, _ = dynamic_tx()
-    stacked = jax.tree.map(lambda a: jnp.stack([a] * 8), tx.init(small_params()))
+    stacked = jax.tree.map(lambda a: jnp.asarray(np.stack([a] * 8)), tx.init(small_params()))
     message = (
         "value_and_grad: the loss scale in opt_state has shape (8,), not (): a state replicated "
         "by pmap or stacked by vmap; call value_and_grad inside the pmapped (or vmapped) step, "
@@ -347,7 +348,9 @@ def test_an_opt_state_replicated_for_pmap_names_the_scales_shape():
         stacked
     )
     expected = jax.grad(lambda p: loss_in(F32)(p, x, y) * 2.0**10)(small_params())
-    chex.assert_trees_all_close(jax.tree.map(lambda g: g[3], grads), expected, rtol=1e-6)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda g: np.asarray(g)[3], grads), expected, rtol=1e-6
+    )
 
 
 def test_fun_returning_a_non_scalar_is_a_type_error():
@@ -563,12 +566,13 @@ DIST_OVERFLOWS = {1: 3, 4: 0}  # step: the device whose shard of the targets hol
 
 
 def device_batches(steps):
-    """(steps, devices, 2, 2) inputs and (steps, devices, 2, 3) targets."""
+    """(steps, devices, 2, 2) inputs and (steps, devices, 2, 3) targets, as NumPy arrays (for
+    the jitted steps only: indexed on the host, they compile nothing)."""
     key = jax.random.key(7)
-    x = jax.random.normal(key, (steps, DEVICES, 2, 2))
-    y = jax.random.normal(jax.random.fold_in(key, 1), (steps, DEVICES, 2, 3))
+    x = np.asarray(jax.random.normal(key, (steps, DEVICES, 2, 2)))
+    y = np.array(jax.random.normal(jax.random.fold_in(key, 1), (steps, DEVICES, 2, 3)))
     for step, device in DIST_OVERFLOWS.items():
-        y = y.at[step, device, 0, 1].set(jnp.inf)
+        y[step, device, 0, 1] = np.inf
     return x, y
 
 
@@ -616,7 +620,7 @@ def test_under_pmap_one_trace_and_the_scale_agrees_on_every_device():
 
     # Placed as pmap places its outputs: jax.pmap traces again when an argument's placement
     # changes (from uncommitted to its output's sharding), with or without this library.
-    stack = lambda tree: jax.tree.map(lambda a: jnp.stack([a] * DEVICES), tree)  # noqa: E731
+    stack = lambda tree: jax.tree.map(lambda a: np.stack([a] * DEVICES), tree)  # noqa: E731
     sharding = NamedSharding(Mesh(np.array(jax.devices()), (AXIS,)), PartitionSpec(AXIS))
     params, opt_state = jax.device_put(stack((small_params(), tx.init(small_params()))), sharding)
     xs, ys = device_batches(6)
@@ -630,7 +634,7 @@ def test_under_pmap_one_trace_and_the_scale_agrees_on_every_device():
         for leaf in jax.tree.leaves(params):
             assert (np.asarray(leaf) == np.asarray(leaf)[0]).all()  # every device the same
         chex.assert_trees_all_close(
-            jax.tree.map(lambda a: a[0], params), reference[step][0], rtol=1e-4
+            jax.tree.map(lambda a: np.asarray(a)[0], params), reference[step][0], rtol=1e-4
         )
         if step in DIST_OVERFLOWS:
             assert not np.isfinite(np.asarray(values)[DIST_OVERFLOWS[step]])
