@@ -46,24 +46,35 @@ def pytest_configure(config):
 # `--dist loadfile --no-loadscope-reorder` pytest-xdist hands each worker one file at a time, in
 # collection order (by default it would hand out the files with the most tests first), so a long
 # file handed out last keeps one worker busy while the other has nothing left: first, the long
-# files spread over the workers and the short ones fill in at the end. Order only.
+# files spread over the workers and the short ones (those of 5 s and less) fill in at the end.
+# Order only.
 LONGEST_FILES = (
+    "test_docs.py",
     "test_benchmarks.py",
     "test_integrations.py",
-    "test_docs.py",
     "test_fp8_meta.py",
     "test_resnet_benchmark.py",
-    "test_lowering.py",
     "test_loss_scaled.py",
+    "test_lowering.py",
+    "test_spikes.py",
     "test_value_and_grad.py",
     "test_bf16_weights.py",
-    "test_numerics.py",
-    "test_spikes.py",
     "test_train_steps.py",
-    "test_demo.py",
-    "test_checkpoint.py",
+    "test_numerics.py",
     "test_distributed.py",
+    "test_checkpoint.py",
+    "test_demo.py",
     "test_gpu_program.py",
+    "test_reliability.py",
+    "test_migrating.py",
+    "test_soak.py",
+    "test_properties.py",
+    "test_branches.py",
+    "test_dynamic.py",
+    "test_diagnostics.py",
+    "test_gpu_forms.py",
+    "test_site.py",
+    "test_model_state.py",
 )
 
 
