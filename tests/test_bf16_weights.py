@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_lossscale as jls
 from jax_lossscale import _bf16_weights
 
-from helpers import assert_bits_equal, bits, with_excess_precision
+from helpers import assert_bits_equal, bits, device_array, with_excess_precision
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEYS = 4096
@@ -129,7 +129,7 @@ def test_float16_rounds_away_from_zero_for_draws_below_exactly_the_probability_t
     # distance from the neighbour toward zero over the gap.
     threshold = int(probability * 2**32)
     assert threshold == probability * 2**32
-    draws = jnp.asarray(np.array([0, max(threshold - 1, 0), threshold, 2**32 - 1], np.uint32))
+    draws = device_array([0, max(threshold - 1, 0), threshold, 2**32 - 1], np.uint32)
     x = jnp.asarray(np.full(4, x, np.float32))
     rounded = np.asarray(_bf16_weights.round_float16(x, draws)).astype(float)
     first = away if threshold else toward_zero
@@ -171,7 +171,7 @@ def test_each_neighbour_comes_with_its_probability_and_the_mean_is_the_float32_v
 
 
 def test_a_weight_plus_an_update_rounds_from_their_float32_sum():
-    params = jnp.asarray(np.array([1.0, -3.0, 1024.0, 2.0**-100], BF16))
+    params = device_array([1.0, -3.0, 1024.0, 2.0**-100], BF16)
     updates = np.array([3 * 2**-10, -(2**-9), 1.0, -(2.0**-100) * 0.25], F32)
     sums = np.asarray(params, F32) + updates  # all exact in float32
     rounded = round_many(BF16, sums, params=params)
@@ -209,8 +209,8 @@ def test_the_new_weight_is_a_neighbour_of_the_sum_over_the_whole_range_of_magnit
 
 
 def test_non_finite_sums_and_overflow_come_through():
-    params = jnp.asarray(np.array([1.0, np.inf, 1.0, 65504.0, -65504.0, 2.0], F16))
-    updates = jnp.asarray(np.array([np.inf, 1.0, np.nan, 64.0, -0.0, -np.inf], F32))
+    params = device_array([1.0, np.inf, 1.0, 65504.0, -65504.0, 2.0], F16)
+    updates = device_array([np.inf, 1.0, np.nan, 64.0, -0.0, -np.inf])
     tx = jls.stochastic_rounding(jax.random.key(0))
     new_updates, _ = tx.update(updates, tx.init(params), params)
     new = np.asarray(optax.apply_updates(params, new_updates), float)
@@ -415,9 +415,9 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     nearest = np.where(tie, np.nextafter(total, np.sign(total) * np.inf), total)
     np.testing.assert_array_equal(np.asarray(new), nearest.astype(ml_dtypes.bfloat16))
 
-    edges = jnp.asarray(np.array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16))
-    low = jnp.asarray(np.array([0, 0, 0, -5, -5], np.int16))
-    edge_updates = jnp.asarray(np.array([1e38, np.nan, np.inf, 1.0, -0.0], F32))
+    edges = device_array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16)
+    low = device_array([0, 0, 0, -5, -5], np.int16)
+    edge_updates = device_array([1e38, np.nan, np.inf, 1.0, -0.0])
     new_updates, state = tx.update(edge_updates, _bf16_weights.KahanSummationState(low), edges)
     new = np.asarray(optax.apply_updates(edges, new_updates), np.float32)
     assert new[[0, 2, 3]].tolist() == [np.inf, np.inf, 1.0]
@@ -498,8 +498,8 @@ def test_a_state_without_a_buffer_for_a_bfloat16_weight_is_an_error():
 
 @pytest.mark.parametrize("compensation_dtype", [None, F32, BF16])
 def test_kahan_keeps_a_negative_zero_weight_on_a_negative_zero_update(compensation_dtype):
-    params = jnp.asarray(np.array([-0.0, -0.0, 0.0, 1.0], BF16))
-    zeros = jnp.asarray(np.array([-0.0, 0.0, -0.0, -0.0], F32))
+    params = device_array([-0.0, -0.0, 0.0, 1.0], BF16)
+    zeros = device_array([-0.0, 0.0, -0.0, -0.0])
     tx = jls.kahan_summation(compensation_dtype)
     updates, _ = tx.update(zeros, tx.init(params), params)
     assert_bits_equal(optax.apply_updates(params, updates), optax.apply_updates(params, zeros))

@@ -29,9 +29,9 @@ def mixed_tree():
     return {
         "encoder": {
             "layers": [
-                {"kernel": device_array([[1.0, nan], [inf, -inf]], np.float32), "bias": None},
+                {"kernel": device_array([[1.0, nan], [inf, -inf]]), "bias": None},
                 {
-                    "kernel": device_array(np.zeros((2, 2)), np.float32),
+                    "kernel": device_array(np.zeros((2, 2))),
                     "bias": device_array([1.0, 2.0], np.float16),
                 },
             ],

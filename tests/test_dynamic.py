@@ -21,11 +21,11 @@ NONFINITE = [jnp.inf, jnp.nan, -jnp.inf]
 
 
 def finite_grads():
-    return {"w": device_array(np.ones(3), jnp.float32)}
+    return {"w": device_array(np.ones(3))}
 
 
 def nonfinite_grads(value=jnp.inf):
-    return {"w": device_array([1.0, value, 1.0], jnp.float32)}
+    return {"w": device_array([1.0, value, 1.0])}
 
 
 def grads_for(flag: str, index: int):
@@ -325,7 +325,7 @@ def test_nonfinite_in_one_leaf_among_many(value):
 @pytest.mark.parametrize("value", NONFINITE, ids=["inf", "nan", "-inf"])
 def test_low_precision_leaves(dtype, value):
     ls = jls.DynamicLossScale(8.0, 1, 2.0)
-    ones = device_array(np.ones(2), jnp.float32)
+    ones = device_array(np.ones(2))
     finite = {"a": device_array(np.full(4, 3.0), dtype), "b": ones}
     nonfinite = {"a": device_array([1.0, value, 2.0], dtype), "b": ones}
     state, should_apply = ls.update(ls.init(), finite)
@@ -359,10 +359,10 @@ def test_non_floating_leaves_are_ignored():
         "float0": float0_zeros((3,)),
     }
     update = jax.jit(ls.update)
-    state, should_apply = update(ls.init(), {**extra, "w": device_array(np.ones(3), jnp.float32)})
+    state, should_apply = update(ls.init(), {**extra, "w": device_array(np.ones(3))})
     assert bool(should_apply)
     assert float(state.loss_scale) == 16.0
-    state, should_apply = update(state, {**extra, "w": device_array([jnp.nan], jnp.float32)})
+    state, should_apply = update(state, {**extra, "w": device_array([jnp.nan])})
     assert not bool(should_apply)
     assert float(state.loss_scale) == 8.0
     state, should_apply = update(state, extra)
@@ -386,7 +386,7 @@ def test_fixed_loss_scale_always_applies_and_never_changes(value):
     update = jax.jit(ls.update)
     new_state = state
     for _ in range(3):
-        new_state, should_apply = update(new_state, {"w": device_array([1.0, value], jnp.float32)})
+        new_state, should_apply = update(new_state, {"w": device_array([1.0, value])})
         assert bool(should_apply)
         assert should_apply.dtype == jnp.bool_
         assert should_apply.shape == ()
@@ -632,7 +632,7 @@ def test_vmap_over_states():
 def test_vmap_over_states_with_shared_grads():
     ls = jls.DynamicLossScale(8.0, 1, 2.0, min_loss_scale=2.0)
     batch = jls.DynamicLossScaleState(
-        device_array([2.0, 8.0, 64.0], jnp.float32),
+        device_array([2.0, 8.0, 64.0]),
         device_array(np.zeros(3), jnp.int32),
         device_array(np.ones(3), jnp.int32),
     )

@@ -16,7 +16,7 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale import _branches, _loss_scaled, _numerics
 
-from helpers import assert_bits_equal, compiled_reductions
+from helpers import assert_bits_equal, compiled_reductions, device_array
 
 
 def _gpu_form(gpu, other, *args):
@@ -57,7 +57,7 @@ def test_square_sum_is_the_squared_norm_and_keeps_nan_and_inf():
         ([2e19, 1.0], "inf"),  # a square that overflows float32: counted as an overflow
         ([1e19, 0.0], "finite"),  # its square, 1e38, is below 3.4e38
     ]:
-        leaf = jnp.asarray(np.array(values + [0.0] * 600, np.float32))  # over a row
+        leaf = device_array(values + [0.0] * 600)  # over a row
         total = float(_numerics.square_sum([leaf, jnp.ones(3)]))
         kind = "nan" if np.isnan(total) else "inf" if np.isinf(total) else "finite"
         assert kind == expected_kind, values

@@ -60,7 +60,7 @@ def test_empty_tree_and_tree_of_nones_are_finite(tree):
 def test_non_finite_value_in_any_floating_dtype_is_detected(dtype, value):
     good = device_array([1.0, -2.0, 3.0, 0.0], dtype)
     bad = device_array([1.0, -2.0, value, 0.0], dtype)
-    ones = device_array(np.ones(3), jnp.float32)
+    ones = device_array(np.ones(3))
     assert finite({"ok": ones, "g": good}) is True
     assert finite({"ok": ones, "g": bad}) is False
 
@@ -79,8 +79,8 @@ def test_integer_and_boolean_leaves_are_ignored_even_at_their_extremes():
         "np_i32": np.full((3,), np.iinfo(np.int32).max, np.int32),
     }
     assert finite(ints) is True
-    assert finite({**ints, "f": device_array(np.ones(2), jnp.float32)}) is True
-    assert finite({**ints, "f": device_array([1.0, np.nan], jnp.float32)}) is False
+    assert finite({**ints, "f": device_array(np.ones(2))}) is True
+    assert finite({**ints, "f": device_array([1.0, np.nan])}) is False
 
 
 def test_float0_leaves_are_ignored():
@@ -89,15 +89,15 @@ def test_float0_leaves_are_ignored():
     tree = {"from_grad": int_grad, "zeros": float0_zeros((2, 3))}
     assert finite(tree) is True
     assert finite({**tree, "f": jnp.full((2,), 0.5)}) is True
-    assert finite({**tree, "f": device_array([0.5, -np.inf], jnp.float32)}) is False
+    assert finite({**tree, "f": device_array([0.5, -np.inf])}) is False
 
 
 @pytest.mark.parametrize(
     ("leaf", "expected"),
     [
         # JAX scalars copied from NumPy: nothing compiles while the tests are collected.
-        (device_array(1.0, jnp.float32), True),
-        (device_array(np.inf, jnp.float32), False),
+        (device_array(1.0), True),
+        (device_array(np.inf), False),
         (device_array(np.nan, jnp.float16), False),
         (np.float32(-np.inf), False),
         (np.float16(2.0), True),
@@ -114,12 +114,12 @@ def test_one_bad_entry_deep_inside_a_nested_tree():
     def tree(deep):
         return {
             "a": [
-                device_array(np.ones(2), jnp.float32),
+                device_array(np.ones(2)),
                 {
                     "b": (
-                        device_array(np.zeros((2, 2)), jnp.float32),
+                        device_array(np.zeros((2, 2))),
                         None,
-                        {"c": [device_array(np.ones(1), jnp.float32), deep]},
+                        {"c": [device_array(np.ones(1)), deep]},
                     )
                 },
             ],
@@ -159,7 +159,7 @@ def test_large_array_with_one_nan_at_the_end():
             "every leaf must be a JAX or NumPy array (or None)",
         ),
         (
-            [device_array(np.ones(2), jnp.float32), {"w": 1.5}],
+            [device_array(np.ones(2)), {"w": 1.5}],
             "all_finite: tree leaf at [1]['w'] has type float (1.5); "
             "every leaf must be a JAX or NumPy array (or None)",
         ),
@@ -445,7 +445,7 @@ def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
     passes, where leaves may be sharded, are six sums: three of squares, three counts of
     infinities."""
     parts = [
-        device_array(np.ones((64, 32)), jnp.float32),
+        device_array(np.ones((64, 32))),
         device_array(np.ones(100), jnp.float16),
         device_array(np.ones(7), jnp.bfloat16),
     ]
@@ -532,7 +532,7 @@ def test_may_be_sharded_inside_pmap_and_shard_map_and_under_a_mesh(mesh):
         found.append(may_be_sharded(x))
         return x
 
-    jax.pmap(record, axis_name="d")(device_array(np.ones((N_DEVICES, 3)), jnp.float32))
+    jax.pmap(record, axis_name="d")(device_array(np.ones((N_DEVICES, 3))))
     rows = jax.device_put(device_array(np.ones(16)), NamedSharding(mesh, P("d")))
     jax.shard_map(record, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(rows)
     grid = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -589,10 +589,10 @@ def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
 
 def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
     tree = {
-        "a": device_array(np.ones(3000), jnp.float32),
-        "b": device_array(np.ones(3000), jnp.float32),
+        "a": device_array(np.ones(3000)),
+        "b": device_array(np.ones(3000)),
         "c": device_array(np.ones((40, 10)), jnp.bfloat16),
-        "d": device_array(np.ones(5000), jnp.float32),  # above SMALL_PART: a part of its own
+        "d": device_array(np.ones(5000)),  # above SMALL_PART: a part of its own
         "e": device_array(np.ones(2), jnp.complex64),  # its real and imaginary parts, as float32
         "i": device_array(np.ones(3), jnp.int32),  # not floating: left out
     }
@@ -605,7 +605,7 @@ def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
 
 
 def test_floating_parts_start_a_new_group_past_the_group_size():
-    tree = [device_array(np.ones(4000), jnp.float32) for _ in range(40)]  # 160,000 entries
+    tree = [device_array(np.ones(4000)) for _ in range(40)]  # 160,000 entries
     sizes = [part.size for part in floating_parts(tree, join_small=True)]
     assert sizes == [64000, 64000, 32000]
 

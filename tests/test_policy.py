@@ -30,6 +30,8 @@ from flax import nnx
 
 import jax_lossscale as jls
 
+from helpers import device_array
+
 # --- jmp's policy tests -----------------------------------------------------------------------
 
 HALF_DTYPES = (np.float16, jnp.float16, jnp.bfloat16)
@@ -217,9 +219,9 @@ class EqxModule1(eqx.Module):
 
 
 # Built by numpy and copied to the device: nothing is compiled at import.
-F32_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=np.float32))
-F16_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=np.float16))
-BF16_ARRAY = jnp.asarray(np.array([1.0, 2.0, 3.0], dtype=jnp.bfloat16))
+F32_ARRAY = device_array([1.0, 2.0, 3.0], dtype=np.float32)
+F16_ARRAY = device_array([1.0, 2.0, 3.0], dtype=np.float16)
+BF16_ARRAY = device_array([1.0, 2.0, 3.0], dtype=jnp.bfloat16)
 NESTED = {"a": F32_ARRAY, "b": {"c": F16_ARRAY, "d": BF16_ARRAY}}
 
 

@@ -25,7 +25,7 @@ import pytest
 
 import jax_lossscale as jls
 
-from helpers import assert_bits_equal, bits, jitted
+from helpers import assert_bits_equal, bits, device_array, jitted
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -305,7 +305,7 @@ def _dynamic_state(scale, good_steps, overflows_until_backoff):
 
 # Built by numpy and copied to the device: nothing is compiled at import.
 FINITE = {"w": jnp.asarray(np.ones(2, np.float32))}
-NON_FINITE = {"w": jnp.asarray(np.array([1.0, np.inf], np.float32))}
+NON_FINITE = {"w": device_array([1.0, np.inf])}
 
 RESUMED = [
     # (id, the loss scale now, the saved state, gradients of the next update, state after it)
