@@ -36,7 +36,8 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
-from benchmarks import gpt, run
+from benchmarks import gpt
+from benchmarks.measure import command, default_path, machine, parse_count, write_results
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 CONTENDERS = (
@@ -53,9 +54,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         jax.config.update("jax_platforms", args.platform)
     results = measure(args)
     results["optimizer_step"] = measure_optimizer_steps(args)
-    results = {"machine": run._machine(), "command": _command(argv), **results}
+    results = {"machine": machine(), "command": _command(argv), **results}
     print(table(results), flush=True)
-    run.write_results(results, args.json or run.default_path("bf16-weights-"))
+    write_results(results, args.json or default_path("bf16-weights-"))
     return results
 
 
@@ -72,7 +73,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument(
         "--step-sizes",
-        type=lambda text: [run.parse_count(item) for item in text.split(",") if item.strip()],
+        type=lambda text: [parse_count(item) for item in text.split(",") if item.strip()],
         default="160K,1M,4M",
         help="parameter counts of the optimizer step alone, comma-separated ('' for none)",
     )
@@ -82,7 +83,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _command(argv: Sequence[str] | None) -> str:
-    return run._command(None if argv is None else ["bf16-weights", *argv])
+    return command(None if argv is None else ["bf16-weights", *argv])
 
 
 # --- the model ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_lossscale as jls
-from benchmarks.run import Runner, block_medians, params_and_grads
+from benchmarks.measure import Runner, block_medians, params_and_grads
 
 SCALE = 2.0**15
 OPTIMIZERS = {

@@ -29,7 +29,15 @@ import optax
 from flax import nnx
 
 from benchmarks import contenders as contenders_module
-from benchmarks import gpt, run
+from benchmarks import gpt
+from benchmarks.measure import (
+    OPTIMIZERS,
+    Runner,
+    fresh_buffers,
+    params_and_grads,
+    parse_count,
+    result_row,
+)
 
 CASES = ("gpu_step", "gpu_gpt", "gpu_scale_sweep")
 DEFAULT_PATH = "benchmarks/results/gpu-h100.json"
@@ -70,14 +78,14 @@ def gpu_step(args: Any) -> list[dict]:
     for optimizer in args.optimizers:
         for cell in args.gpu_cells.split(","):
             size, leaves = cell.split("/")
-            size, leaves = run.parse_count(size), int(leaves)
-            params, grads = run.params_and_grads(size, leaves)
+            size, leaves = parse_count(size), int(leaves)
+            params, grads = params_and_grads(size, leaves)
             scaled = jax.tree.map(lambda g: g * contenders_module.LOSS_SCALE, grads)
             runners = {}
             for make in contenders_module.ALL:
-                contender = make(run.OPTIMIZERS[optimizer]())
+                contender = make(OPTIMIZERS[optimizer]())
                 inputs = scaled if contender.scales_loss else grads
-                runner = run.Runner(contender.optimizer_step, contender.init, params, inputs)
+                runner = Runner(contender.optimizer_step, contender.init, params, inputs)
                 runners[contender.name] = _Pipelined(
                     runner.step, (runner.params, runner.state), inputs
                 )
@@ -104,7 +112,7 @@ def gpu_gpt(args: Any) -> dict[str, list[dict]]:
     scales = {f"constant scale 2**{int(e)}": 2.0 ** float(e) for e in args.gpu_sweep.split(",")}
 
     def at_scale(scale: float) -> _Pipelined:
-        fresh = run.fresh_buffers(state)
+        fresh = fresh_buffers(state)
         return _Pipelined(compiled, fresh, (jnp.float32(scale), inputs, targets), True)
 
     runners["constant scale"] = at_scale(CONSTANT_SCALE)
@@ -180,7 +188,7 @@ def _timed_row(optimizer, size, leaves, runners: dict[str, _Pipelined], args) ->
             pipelined[name].append(runner.pipelined(args.gpu_pipeline))
             per_call[name].append(runner.per_call(max(args.gpu_pipeline // 4, 1)))
     medians = {name: statistics.median(values) for name, values in pipelined.items()}
-    row = run._row(optimizer, size, leaves, medians)
+    row = result_row(optimizer, size, leaves, medians)
     calls = {name: statistics.median(values) for name, values in per_call.items()}
     row["per_call"] = calls
     row["per_call_ratio_to_bare"] = {name: value / calls["bare"] for name, value in calls.items()}

@@ -144,12 +144,12 @@ def _kernels(computations: dict[str, list[tuple[str, str, str]]], name: str) -> 
 
 def optimizer_steps(size: int, leaves: int, optimizer: str) -> dict[str, GpuProgram]:
     """The H100 programs of the optimizer-step contenders (`benchmarks/contenders.py`)."""
-    from benchmarks import contenders, run
+    from benchmarks import contenders, measure
 
-    params, grads = run.params_and_grads(size, leaves)
+    params, grads = measure.params_and_grads(size, leaves)
     programs = {}
     for make in contenders.ALL:
-        contender = make(run.OPTIMIZERS[optimizer]())
+        contender = make(measure.OPTIMIZERS[optimizer]())
         state = jax.eval_shape(contender.init, params)
         compiled = compile_for_h100(
             contender.optimizer_step, params, state, grads, donate_argnums=(0, 1)
@@ -177,7 +177,7 @@ def gpt_steps(size: Any, names: Sequence[str] = ("bare", "DynamicLossScale")) ->
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-    from benchmarks import gpt, run
+    from benchmarks import gpt, measure
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_program", description=__doc__)
     parser.add_argument("--size", default="8M", help="parameters of the optimizer step")
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for optimizer in args.optimizers.split(","):
         for name, program in optimizer_steps(
-            run.parse_count(args.size), args.leaves, optimizer
+            measure.parse_count(args.size), args.leaves, optimizer
         ).items():
             results[f"{optimizer} {args.size}/{args.leaves} / {name}"] = _figures(program)
     if args.gpt != "none":

@@ -20,7 +20,7 @@ import jax
 import optax
 
 import jax_lossscale as jls
-from benchmarks import contenders, gpt, run
+from benchmarks import contenders, gpt, measure, run
 
 # An instruction of the optimized HLO, `name = type opcode(operands), ...`: its opcode is the
 # first word followed by a parenthesis after the ` = ` (a type holds none).
@@ -72,9 +72,9 @@ def _compiled(step: Callable[..., Any], init: Callable[[Any], Any], params, *inp
 def counts_of_steps(size: int, leaves: int, gpt_size: str | None) -> dict[str, dict[str, Any]]:
     """Op counts of every benchmark step, keyed by `case / optimizer / loss scale`."""
     results: dict[str, dict[str, Any]] = {}
-    params, grads = run.params_and_grads(size, leaves)
+    params, grads = measure.params_and_grads(size, leaves)
     mlp_params, batch = run.mlp(256, 4, 64)
-    for optimizer, make_inner in run.OPTIMIZERS.items():
+    for optimizer, make_inner in measure.OPTIMIZERS.items():
         results[f"step / {optimizer} / bare"] = op_counts(
             _compiled(_optimizer_step(make_inner()), make_inner().init, params, grads)
         )
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--json", default=None, help="where to write the counts as JSON")
     args = parser.parse_args(argv)
     gpt_size = None if args.gpt_size == "none" else args.gpt_size
-    results = counts_of_steps(run.parse_count(args.size), args.leaves, gpt_size)
+    results = counts_of_steps(measure.parse_count(args.size), args.leaves, gpt_size)
     report(results, [*KINDS, "instructions", "temp_bytes"], args.json)
     return results
 

@@ -17,7 +17,7 @@ contenders, each with its own train state donated from call to call (`donate_arg
   with the flax-equivalent `DynamicLossScale` and `axis_name`, `jls.value_and_grad`, a
   `pmean` of the float32 gradients, `jls.where_applied` for the statistics).
 
-The contenders take turns block by block (`benchmarks.run.block_medians`), so the ratios to
+The contenders take turns block by block (`benchmarks.measure.block_medians`), so the ratios to
 `bare` come from the same run. Images are 32x32x3 and 10 classes by default; the batch is
 the same one each step. Run:
 
@@ -43,7 +43,7 @@ from flax.training.dynamic_scale import DynamicScale
 from jax import lax
 
 import jax_lossscale as jls
-from benchmarks import run
+from benchmarks import measure
 
 AXIS = "batch"
 WEIGHT_DECAY = 1e-4
@@ -319,20 +319,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
             step, state = build(contender, filters, args.image, devices)
             runners[contender] = PmapRunner(step, state, batch, devices)
         params, leaves = parameter_count(runners["bare"].state)
-        medians, faults = run.block_medians(runners, args.repeats, args.block)
+        medians, faults = measure.block_medians(runners, args.repeats, args.block)
         label = (
             f"sgd nesterov, ResNet18 f{filters}, {args.image}px, batch {args.batch}x{len(devices)}"
         )
-        row = run._row(label, params, leaves, medians)
+        row = measure.result_row(label, params, leaves, medians)
         row["page_faults_per_step"] = faults
         row["final_scale"] = {name: scale_of(name, runners[name].state) for name in CONTENDERS[1:]}
         rows.append(row)
-        print(run._table("resnet_step", [row]), flush=True)
-    results = {"machine": run._machine(), "command": _command(argv), "rows": rows}
+        print(measure.table("resnet_step", [row]), flush=True)
+    results = {"machine": measure.machine(), "command": _command(argv), "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as file:
         json.dump(results, file, indent=1)
-    print(run._table("resnet_step", rows))
+    print(measure.table("resnet_step", rows))
     print(f"wrote {args.out}")
     return results
 

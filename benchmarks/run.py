@@ -11,11 +11,7 @@ depends on which program ran just before. The page faults per step are recorded 
 import argparse
 import dataclasses
 import functools
-import json
 import math
-import os
-import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +20,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from benchmarks import contenders as contenders_module
-from benchmarks import gpt
+from benchmarks import gpt, gpu
+from benchmarks.measure import (
+    OPTIMIZERS,
+    Runner,
+    block_medians,
+    command,
+    default_path,
+    machine,
+    params_and_grads,
+    parse_count,
+    result_row,
+    table,
+    write_results,
+)
 
-OPTIMIZERS = {"adam": lambda: optax.adam(1e-3), "sgd": lambda: optax.sgd(1e-3)}
 CASES = ("gpt", "step", "mlp", "compile", "memory", "traces")
 
 
@@ -37,35 +44,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = _parse(argv)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
-    results: dict[str, Any] = {"machine": _machine(), "command": _command(argv), "cases": {}}
+    results: dict[str, Any] = {"machine": machine(), "command": command(argv), "cases": {}}
     if args.gpu:  # the GPU case set, benchmarks/gpu.py
-        from benchmarks import gpu
-
         for name, rows in gpu.run_gpu(args).items():
             results["cases"][name] = rows
-            print(_table(name, rows), flush=True)
+            print(table(name, rows), flush=True)
         write_results(results, args.json or gpu.DEFAULT_PATH)
         return results
     for case in args.cases:
         output = CASE_RUNNERS[case](args)
         for name, rows in (output if isinstance(output, dict) else {case: output}).items():
             results["cases"][name] = rows
-            print(_table(name, rows), flush=True)
+            print(table(name, rows), flush=True)
     write_results(results, args.json or default_path(""))
     return results
-
-
-def default_path(prefix: str) -> str:
-    """benchmarks/results/<prefix><backend>.json, where a run's results go by default."""
-    return os.path.join("benchmarks", "results", f"{prefix}{jax.default_backend()}.json")
-
-
-def write_results(results: dict[str, Any], path: str) -> None:
-    """Writes `results` to `path` as JSON (its folder made if missing) and says so."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as file:
-        json.dump(results, file, indent=1)
-    print(f"wrote {path}")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -110,8 +102,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="where to write JSON (default: benchmarks/results/<platform>.json)",
     )
-    from benchmarks import gpu
-
     gpu.add_arguments(parser)
     args = parser.parse_args(argv)
     args.cases = _split(args.cases, CASES)
@@ -132,12 +122,6 @@ def _split(text: str, allowed: tuple[str, ...]) -> list[str]:
         if item not in allowed:
             raise SystemExit(f"unknown choice {item!r}; expected some of {', '.join(allowed)}")
     return items
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().upper()
-    multiplier = {"K": 10**3, "M": 10**6}.get(text[-1:], 1)
-    return int(float(text.rstrip("KM")) * multiplier)
 
 
 # --- the cases ------------------------------------------------------------------------------
@@ -163,7 +147,7 @@ def run_step(args) -> list[dict]:
                     budget.record(contender.name, leaves, runner.compile_seconds)
                     runners[contender.name] = runner
                 medians, faults = block_medians(runners, args.repeats, args.block)
-                row = _row(optimizer, size, leaves, medians, skipped=skipped)
+                row = result_row(optimizer, size, leaves, medians, skipped=skipped)
                 rows.append({**row, "page_faults_per_step": faults})
                 del runners
     return rows
@@ -180,7 +164,7 @@ def run_mlp(args) -> list[dict]:
             runners[contender.name] = Runner(step, contender.init, params, batch)
         medians, faults = block_medians(runners, args.repeats, args.block)
         size = sum(leaf.size for leaf in jax.tree.leaves(params))
-        row = _row(optimizer, size, len(jax.tree.leaves(params)), medians)
+        row = result_row(optimizer, size, len(jax.tree.leaves(params)), medians)
         rows.append({**row, "page_faults_per_step": faults})
     return rows
 
@@ -209,7 +193,7 @@ def run_compile(args) -> list[dict]:
                     times.setdefault(contender.name, []).append(seconds)
                     budget.record(contender.name, leaves, seconds)
             medians = {name: statistics.median(values) for name, values in times.items()}
-            rows.append(_row(optimizer, leaves * 64, leaves, medians, skipped=skipped))
+            rows.append(result_row(optimizer, leaves * 64, leaves, medians, skipped=skipped))
     return rows
 
 
@@ -229,7 +213,7 @@ def run_memory(args) -> list[dict]:
                     .compile()
                 )
                 temp[contender.name] = compiled.memory_analysis().temp_size_in_bytes
-            row = _row(optimizer, size, leaves, temp, unit="bytes", ratios=False)
+            row = result_row(optimizer, size, leaves, temp, unit="bytes", ratios=False)
             row["gradient_bytes"] = size * 4
             rows.append(row)
     return rows
@@ -255,7 +239,7 @@ def run_traces(args) -> list[dict]:
                 factor = np.float32(np.inf) if index % 10 == 3 else np.float32(1.0)
                 p, s = step(p, s, jax.tree.map(lambda g, f=factor: g * f, grads))
             counts[contender.name] = count[0]
-        rows.append(_row(optimizer, 4096, 16, counts, unit="traces", ratios=False))
+        rows.append(result_row(optimizer, 4096, 16, counts, unit="traces", ratios=False))
     return rows
 
 
@@ -288,12 +272,12 @@ def run_gpt(args) -> dict[str, list[dict]]:
             temp[contender] = runners[contender].temp_bytes
         medians, faults = block_medians(runners, args.repeats, args.block)
         params, leaves = gpt.parameter_count(built["bare"][1])
-        row = functools.partial(_row, f"adamw, {name}", params, leaves)
-        cases["gpt_step"].append({**row(medians), "page_faults_per_step": faults})
+        gpt_row = functools.partial(result_row, f"adamw, {name}", params, leaves)
+        cases["gpt_step"].append({**gpt_row(medians), "page_faults_per_step": faults})
         cases["gpt_compile"].append(
-            row({contender: statistics.median(t) for contender, t in compile_times.items()})
+            gpt_row({contender: statistics.median(t) for contender, t in compile_times.items()})
         )
-        cases["gpt_memory"].append(row(temp, unit="bytes"))
+        cases["gpt_memory"].append(gpt_row(temp, unit="bytes"))
     return cases
 
 
@@ -308,26 +292,6 @@ CASE_RUNNERS: dict[str, Callable[[argparse.Namespace], Any]] = {
 
 
 # --- measurement ----------------------------------------------------------------------------
-
-
-class Runner:
-    """One contender's compiled step with its own donated params and state."""
-
-    def __init__(self, step, init, params, inputs):
-        self.inputs = inputs
-        self.params = fresh_buffers(params)
-        self.state = init(self.params)
-        start = time.perf_counter()
-        jitted = jax.jit(step, donate_argnums=(0, 1))
-        self.step = jitted.lower(self.params, self.state, inputs).compile()
-        self.compile_seconds = time.perf_counter() - start
-        self.temp_bytes = self.step.memory_analysis().temp_size_in_bytes
-
-    def __call__(self) -> float:
-        start = time.perf_counter()
-        self.params, self.state = self.step(self.params, self.state, self.inputs)
-        jax.block_until_ready((self.params, self.state))
-        return time.perf_counter() - start
 
 
 class _GptRunner:
@@ -374,62 +338,8 @@ class _CompileBudget:
         return estimate if estimate > self.seconds else None
 
 
-def fresh_buffers(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
-
-
-def block_medians(
-    runners: dict[str, Any], repeats: int, block: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per call, and page faults per call, timed block by block.
-
-    Each round calls every runner `block` times in a row; the first call of a block,
-    the one after switching programs, is not counted. Rounds go on until every runner
-    has `repeats` counted calls.
-    """
-    for runner in runners.values():  # compile and warm up
-        runner()
-        runner()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    faults: dict[str, list[int]] = {name: [] for name in runners}
-    counted = max(block - 1, 1)
-    for _ in range(math.ceil(repeats / counted)):
-        for name, runner in runners.items():
-            runner()
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            for _ in range(counted):
-                times[name].append(runner())
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    per_call = {name: sum(values) / len(times[name]) for name, values in faults.items()}
-    return medians, per_call
-
-
 def _contenders(optimizer: str) -> list[contenders_module.Contender]:
     return [make(OPTIMIZERS[optimizer]()) for make in contenders_module.ALL]
-
-
-def _row(optimizer, size, leaves, values, *, unit="s", ratios=True, skipped=None) -> dict:
-    row = {"optimizer": optimizer, "params": size, "leaves": leaves, "unit": unit, "values": values}
-    if ratios:
-        row["ratio_to_bare"] = {name: value / values["bare"] for name, value in values.items()}
-    if skipped:
-        row["skipped"] = skipped
-    return row
-
-
-def params_and_grads(size: int, leaves: int) -> tuple[dict, dict]:
-    per_leaf = size // leaves
-    keys = jax.random.split(jax.random.key(0), 2 * leaves)
-    params = {
-        f"layer_{i:04d}": jax.random.normal(keys[2 * i], (per_leaf,), jnp.float32) * 0.02
-        for i in range(leaves)
-    }
-    grads = {
-        f"layer_{i:04d}": jax.random.normal(keys[2 * i + 1], (per_leaf,), jnp.float32) * 1e-4
-        for i in range(leaves)
-    }
-    return params, grads
 
 
 def mlp(width: int, depth: int, batch: int) -> tuple[dict, tuple]:
@@ -458,62 +368,3 @@ def mlp_loss(params: dict, batch: tuple) -> jax.Array:
         if index < len(params) - 1:
             h = jax.nn.relu(h)
     return jnp.mean((h.astype(jnp.float32) - y) ** 2)
-
-
-# --- reporting ------------------------------------------------------------------------------
-
-
-def _table(case: str, rows: list[dict]) -> str:
-    if not rows:
-        return f"{case}: nothing to report"
-    names = list(
-        dict.fromkeys(name for row in rows for name in (*row["values"], *row.get("skipped", {})))
-    )
-    header = ["optimizer", "params", "leaves", *names]
-    ratio_note = ", ratio to bare" if "ratio_to_bare" in rows[0] else ""
-    lines = [f"\n## {case} ({rows[0]['unit']}{ratio_note})"]
-    lines.append(" | ".join(header))
-    for row in rows:
-        cells = [row["optimizer"], _human(row["params"]), str(row["leaves"])]
-        for name in names:
-            if name not in row["values"]:
-                cells.append(f"skipped: {row.get('skipped', {}).get(name, 'not run')}")
-                continue
-            value = row["values"][name]
-            if "ratio_to_bare" in row:
-                cells.append(f"{_format(value, row['unit'])} ({row['ratio_to_bare'][name]:.2f}x)")
-            else:
-                cells.append(_format(value, row["unit"]))
-        lines.append(" | ".join(cells))
-    return "\n".join(lines)
-
-
-def _format(value: float, unit: str) -> str:
-    if unit == "s":
-        return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.2f} s"
-    if unit == "bytes":
-        return f"{value / 2**20:.1f} MiB"
-    return str(value)
-
-
-def _human(count: int) -> str:
-    return f"{count / 1e6:g}M" if count >= 10**6 else f"{count / 1e3:g}K"
-
-
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "optax": optax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(device) for device in jax.devices()],
-    }
-
-
-def _command(argv: Sequence[str] | None) -> str:
-    import sys
-
-    return "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)

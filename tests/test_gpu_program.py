@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="the gpu-compile extra is not installed")
 
-from benchmarks import contenders, gpt, gpu_program, run
+from benchmarks import contenders, gpt, gpu_program, measure
 
 LEAVES = 64
 SIZE = 8_000_000
@@ -26,9 +26,9 @@ TINY_GPT = gpt.Size(layers=1, width=64, heads=1, seq=64, batch=2)
 
 @functools.cache
 def step_program(optimizer: str, contender: str) -> gpu_program.GpuProgram:
-    params, grads = run.params_and_grads(SIZE, LEAVES)
+    params, grads = measure.params_and_grads(SIZE, LEAVES)
     make = {c.__name__: c for c in contenders.ALL}[contender]
-    step = make(run.OPTIMIZERS[optimizer]())
+    step = make(measure.OPTIMIZERS[optimizer]())
     state = jax.eval_shape(step.init, params)
     compiled = gpu_program.compile_for_h100(
         step.optimizer_step, params, state, grads, donate_argnums=(0, 1)
