@@ -7,7 +7,7 @@ protocol they check.
 import abc
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, TypeVar, final
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 import jax
 import numpy as np
@@ -80,9 +80,19 @@ class LossScale(abc.ABC):
     def init(self) -> PyTree:
         """Returns the initial state, a pytree of arrays."""
 
-    @abc.abstractmethod
     def __call__(self, state: PyTree) -> jax.Array:
-        """Returns the current loss scale held in `state`, a float32 scalar array."""
+        """Returns the current loss scale held in `state`: its `loss_scale`, a float32 scalar
+        array. A subclass that writes its own must return that same value (`loss_scaled`
+        checks it on the initial state), since `get_loss_scale` and `value_and_grad` read the
+        field, and the wrapper unscales by it.
+
+        Examples:
+          >>> import jax_lossscale as jls
+          >>> ls = jls.DynamicLossScale(initial_loss_scale=8.0)
+          >>> ls(ls.init())
+          Array(8., dtype=float32)
+        """
+        return scale_of(self, state)
 
     @abc.abstractmethod
     def adjust(self, state: PyTree, grads_finite: jax.Array) -> tuple[PyTree, jax.Array]:
@@ -190,7 +200,7 @@ class LossScale(abc.ABC):
         if tree is NOT_GIVEN:
             raise missing_tree_error(type(self).__name__, "scale", "tree")
         check_array_leaves(tree, arg_name="tree", caller=f"{type(self).__name__}.scale")
-        return multiply_floating(tree, checked_scale(self, state))
+        return multiply_floating(tree, scale_of(self, state))
 
     @final
     def unscale(self, state: PyTree, grads: PyTree = NOT_GIVEN) -> PyTree:
@@ -217,7 +227,7 @@ class LossScale(abc.ABC):
         if grads is NOT_GIVEN:
             raise missing_tree_error(type(self).__name__, "unscale", "grads")
         check_array_leaves(grads, arg_name="grads", caller=f"{type(self).__name__}.unscale")
-        return divide_floating(grads, checked_scale(self, state))
+        return divide_floating(grads, scale_of(self, state))
 
     if not TYPE_CHECKING:  # so that type checkers still flag unknown attributes
 
@@ -232,26 +242,34 @@ class LossScale(abc.ABC):
             raise peer_attribute_error(self, name)
 
 
-def checked_scale(loss_scale: LossScale, state: PyTree) -> jax.Array:
-    """The scale `loss_scale(state)` returns, once checked to be a float32 scalar array."""
-    scale = loss_scale(state)
+def scale_of(loss_scale: LossScale, state: PyTree) -> jax.Array:
+    """The scale `state` holds: its `loss_scale` field (or property), once checked to be a
+    float32 scalar array. The one reader of the scale: the wrapper unscales by it,
+    `get_loss_scale` and `value_and_grad` read it, and `LossScale.__call__` returns it."""
+    if _is_named_tuple(_initial_state_type(loss_scale)):
+        check_loss_scale_state(loss_scale, state)
+    try:
+        scale = state.loss_scale
+    except AttributeError:
+        scale = None
     if not is_scalar_array(scale, np.float32):
         raise TypeError(
-            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
-            f"{describe_array(scale)}"
+            f"{type(loss_scale).__name__}: the state must hold the current scale as a float32 "
+            f"scalar array loss_scale, got {describe_array(scale)} in {type(state).__name__}"
         )
-    return scale
+    return cast(jax.Array, scale)
 
 
 def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
     """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
-    where `get_loss_scale` reads it."""
+    where `get_loss_scale` reads it, and `loss_scale(state)` returns that value."""
     try:
         scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
     except AttributeError:
         found = "none"
     else:
         if scale.shape == () and scale.dtype == np.float32:
+            _check_call_returns_the_field(loss_scale, caller)
             return
         found = f"dtype {scale.dtype} and shape {scale.shape}"
     state_type = type(jax.eval_shape(loss_scale.init)).__name__
@@ -261,6 +279,33 @@ def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
         f"get_loss_scale reads it; {type(loss_scale).__name__}.init() returns {state_type} "
         f"with loss_scale of {found}"
     )
+
+
+def _check_call_returns_the_field(loss_scale: LossScale, caller: str) -> None:
+    """Raises when a subclass's own `__call__` gives another scale than the state's field
+    (on the initial state, computed here even inside a traced function)."""
+    if type(loss_scale).__call__ is LossScale.__call__:
+        return
+    with jax.ensure_compile_time_eval():
+        state = loss_scale.init()
+        called, held = loss_scale(state), state.loss_scale
+    if not is_scalar_array(called, np.float32):
+        raise TypeError(
+            f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
+            f"{describe_array(called)}"
+        )
+    if np.asarray(called).tobytes() != np.asarray(held).tobytes():
+        raise TypeError(
+            f"{caller}(loss_scale={describe(loss_scale)}): {type(loss_scale).__name__}.__call__ "
+            f"returns {float(called)!r} for the initial state, whose loss_scale is "
+            f"{float(held)!r}; the loss is multiplied by loss_scale (get_loss_scale, "
+            "value_and_grad) and the gradients divided by it, so __call__ must return "
+            "state.loss_scale (or be left to LossScale)"
+        )
+
+
+def _is_named_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
 def check_should_apply(

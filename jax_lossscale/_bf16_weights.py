@@ -9,9 +9,6 @@ lands on the chosen value exactly. Wider floating leaves and non-floating leaves
 through as the inner updates.
 """
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -20,22 +17,22 @@ import numpy as np
 import optax
 from jax import lax
 
+from jax_lossscale._axes import varying_axes
 from jax_lossscale._checks import describe, describe_array, is_at_least_float32, path_name
 from jax_lossscale._policy import floating_dtype
+from jax_lossscale._rounding import (
+    add_compensated,
+    add_in_float32,
+    round_stochastically,
+    update_to,
+)
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _F16 = jnp.dtype(jnp.float16)
 _ROUNDED = (_BF16, _F16)
-_TWO_TO_32 = float(2**32)
 _APPLY_WITH = (
     "apply the updates with optax.apply_updates, which keeps each weight's dtype "
     "(eqx.apply_updates, or params + updates, turns bfloat16 and float16 weights float32)"
-)
-
-# While an inner `init` runs on params of which `loss_scaled` widened the float16 leaves to
-# float32 (see `own_dtypes_of`): id of each widened leaf -> (the leaf, the param's own dtype).
-_WIDENED: contextvars.ContextVar[dict[int, tuple[Any, np.dtype[Any]]] | None] = (
-    contextvars.ContextVar("widened", default=None)
 )
 
 
@@ -62,23 +59,6 @@ class KahanSummationState(NamedTuple):
     """
 
     compensation: optax.Params
-
-
-@contextlib.contextmanager
-def own_dtypes_of(widened: optax.Params, params: optax.Params) -> Iterator[None]:
-    """While an `init` inside runs on `widened`, a copy of `params` whose float16 leaves
-    `loss_scaled` widened to float32, `stochastic_rounding` and `kahan_summation` make the
-    state of each such leaf for the param's own dtype, as they would given `params`."""
-    own: dict[int, tuple[Any, np.dtype[Any]]] = {}
-    for wide, param in zip(jax.tree.leaves(widened), jax.tree.leaves(params), strict=True):
-        dtype = getattr(param, "dtype", None)
-        if wide is not param and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            own[id(wide)] = (wide, np.dtype(dtype))
-    token = _WIDENED.set(own)
-    try:
-        yield
-    finally:
-        _WIDENED.reset(token)
 
 
 def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs:
@@ -137,7 +117,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
 
     def init_fn(params: optax.Params) -> StochasticRoundingState:
         def marker(path: Any, param: Any) -> jax.Array | None:
-            dtype = _rounded_dtype(param, path, "stochastic_rounding", at_init=True)
+            dtype = _rounded_dtype(param, path, "stochastic_rounding")
             return None if dtype is None else jnp.zeros((), dtype)
 
         # A copy: a donated state must not take the key this transformation starts from.
@@ -174,7 +154,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
             total = _float32(param) + _float32(update)
             leaf_key = _on_this_shard(jax.random.fold_in(step_key, index), total)
             rounded = round_stochastically(total, dtype, leaf_key)
-            new_updates.append(_difference(rounded, param))
+            new_updates.append(update_to(rounded, param))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
             StochasticRoundingState(jax.random.key_data(next_key), state.rounded),
@@ -240,7 +220,7 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
 
     def init_fn(params: optax.Params) -> KahanSummationState:
         def buffer(path: Any, param: Any) -> jax.Array | None:
-            dtype = _rounded_dtype(param, path, "kahan_summation", at_init=True)
+            dtype = _rounded_dtype(param, path, "kahan_summation")
             if dtype is None:
                 return None
             if buffer_dtype is not None:
@@ -282,10 +262,10 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 new_buffers.append(None)
                 continue
             if buffer.dtype == jnp.int16:
-                rounded, kept = _add_in_float32(param, buffer, _float32(update))
+                rounded, kept = add_in_float32(param, buffer, _float32(update))
             else:
-                rounded, kept = _add_compensated(param, buffer, _float32(update), dtype)
-            new_updates.append(_difference(rounded, param))
+                rounded, kept = add_compensated(param, buffer, _float32(update), dtype)
+            new_updates.append(update_to(rounded, param))
             new_buffers.append(kept)
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
@@ -295,163 +275,12 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def _add_in_float32(
-    param: jax.Array, low: jax.Array, update: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The bfloat16 weight and int16 buffer of `(param, low) + update`, added in float32.
-
-    `param`'s 16 bits followed by `low` as an offset of the bit pattern are the float32
-    value x they were cut from; x + update is rounded to the nearest bfloat16 with ties
-    away from zero (a carry of half a gap), so that the pattern offset the rounding leaves
-    lies in [-2**15, 2**15) and fits int16 exactly. A weight that is zero keeps no negative
-    offset (it was set from outside: zero is where the offset from a rounding is
-    non-negative), and a non-finite weight or sum keeps none.
-    """
-    high = lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
-    offset = low.astype(jnp.int32)
-    offset = jnp.where((offset < 0) & ((high & jnp.uint32(0x7FFFFFFF)) == 0), 0, offset)
-    value = lax.bitcast_convert_type(
-        high + lax.bitcast_convert_type(offset, jnp.uint32), jnp.float32
-    )
-    value = jnp.where(jnp.isfinite(param), value, _float32(param))
-    total = value + update
-    rounded = round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
-    cut = lax.bitcast_convert_type(rounded, jnp.uint16).astype(jnp.uint32) << 16
-    kept = lax.bitcast_convert_type(lax.bitcast_convert_type(total, jnp.uint32) - cut, jnp.int32)
-    kept = jnp.where(jnp.isfinite(rounded), kept, 0)
-    return rounded, kept.astype(jnp.int16)
-
-
-def _add_compensated(
-    param: jax.Array, buffer: jax.Array, update: jax.Array, dtype: Any
-) -> tuple[jax.Array, jax.Array]:
-    """The weight of `dtype` nearest to param + (update + buffer), and what it dropped (in
-    the buffer's dtype). An empty buffer (zero) adds nothing, not even a sign: a -0.0
-    update keeps a -0.0 weight as `optax.apply_updates` does."""
-    compensation = _float32(buffer)
-    corrected = jnp.where(compensation == 0, update, update + compensation)
-    total = _float32(param) + corrected
-    nearest = round_to_nearest(total, dtype)
-    kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
-    return nearest.astype(dtype), kept.astype(buffer.dtype)
-
-
 def _on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
     """`key` folded with the device's position along each mesh axis that `value` varies
     over under `shard_map` (its shard of a sharded leaf); `key` itself elsewhere."""
-    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
-    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
-    for axis in sorted(varying, key=str):
+    for axis in sorted(varying_axes(value), key=str):
         key = jax.random.fold_in(key, lax.axis_index(axis))
     return key
-
-
-# --- the rounding ---------------------------------------------------------------------------
-
-
-def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
-    """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`."""
-    dtype = jnp.dtype(dtype)
-    if dtype == _BF16:
-        return round_bfloat16(x, _bits16(key, jnp.shape(x)))
-    bits = jax.random.bits(key, jnp.shape(x), jnp.uint32)
-    return round_float16(x, bits)
-
-
-def _bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform uint16 draws of `shape`: both halves of half as many 32-bit words, drawn
-    along the last axis (so that a leaf sharded along another axis draws its own words)."""
-    if not shape:
-        return jax.random.bits(key, (), jnp.uint32).astype(jnp.uint16)
-    *rows, length = shape
-    words = jax.random.bits(key, (*rows, (length + 1) // 2), jnp.uint32)
-    halves = jnp.stack([words & jnp.uint32(0xFFFF), words >> 16], axis=-1).astype(jnp.uint16)
-    return halves.reshape(*rows, -1)[..., :length]
-
-
-def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
-    """`x` (float32) to bfloat16, up in magnitude where `bits` (uint16) carry into bit 16.
-
-    bfloat16 is float32 cut to its upper 16 bits, and the bit patterns of float32 count
-    up with the magnitude, subnormals and powers of two included. Adding a uniform 16-bit
-    integer r to the pattern and cutting carries the magnitude up exactly when r >= 2**16
-    minus the 16 dropped bits: with probability (dropped bits) / 2**16, the distance
-    from the neighbour toward zero over the gap, for either sign. The largest finite
-    magnitude carries into the pattern of infinity; NaN is kept as it is.
-    """
-    pattern = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    carried = pattern + bits.astype(jnp.uint32)
-    upper = (carried >> 16).astype(jnp.uint16)
-    rounded = lax.bitcast_convert_type(upper, jnp.bfloat16)
-    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
-
-
-def round_float16(x: jax.Array, bits: jax.Array) -> jax.Array:
-    """`x` (float32) to float16, up in magnitude where `bits` (uint32) fall below the remainder.
-
-    With g the float16 gap at |x| (2**-24 through the subnormals), |x| / g = n + f with n
-    an integer and f in [0, 1), both exact in float32. The magnitude becomes (n + 1) * g
-    when a uniform 32-bit r < ceil(f * 2**32): exactly probability f wherever f is a
-    multiple of 2**-32, which is every float32 with |x| >= 2**-33; below that (9 binades
-    under the smallest float16) the probability is f rounded up to a multiple of 2**-32.
-    A magnitude of 65536 or more becomes infinity; infinities and NaN are kept.
-    """
-    x = x.astype(jnp.float32)
-    magnitude = jnp.abs(x)
-    gap, inverse_gap = _float16_gap(magnitude)
-    scaled = magnitude * inverse_gap
-    whole = jnp.floor(scaled)
-    threshold = jnp.ceil((scaled - whole) * _TWO_TO_32).astype(jnp.uint32)
-    up = (bits.astype(jnp.uint32) < threshold).astype(jnp.float32)
-    rounded = jnp.copysign((whole + up) * gap, x).astype(jnp.float16)
-    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.float16))
-
-
-def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
-    """The float32 `x` rounded to the nearest bfloat16 or float16 value, ties to even, in float32.
-
-    The rounding is written out in float32 rather than left to a cast and back: XLA may
-    drop a float32 -> bfloat16 -> float32 pair of casts and keep the float32 value (its GPU
-    compiler does, with `xla_allow_excess_precision` on by default), which would leave
-    nothing for the compensation to keep. The result is a value of `dtype` (infinity past
-    its largest finite value), so casting it to `dtype` is exact, kept or dropped.
-    """
-    if jnp.dtype(dtype) == _BF16:
-        # Carrying 2**15 - 1 into the 16 dropped bits, plus their neighbour's last bit, carries
-        # exactly past half a gap, and at half a gap toward the even neighbour.
-        tie_to_even = (lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(1)
-        bits = (jnp.uint32(0x7FFF) + tie_to_even).astype(jnp.uint16)
-        return round_bfloat16(x, bits).astype(jnp.float32)
-    gap, inverse_gap = _float16_gap(jnp.abs(x))
-    nearest = jnp.round(jnp.abs(x) * inverse_gap) * gap  # jnp.round: ties to even
-    largest = float(jnp.finfo(jnp.float16).max)
-    nearest = jnp.where(nearest > largest, jnp.inf, nearest)
-    return jnp.where(jnp.isfinite(x), jnp.copysign(nearest, x), x)
-
-
-def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The gap between float16 values at `magnitude` (float32; 2**-24 through the
-    subnormals) and its inverse, both powers of two."""
-    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
-    gap_exponent = jnp.maximum(exponent, -14) - 10  # -24 ... 117
-    gap = lax.bitcast_convert_type((gap_exponent + 127) << 23, jnp.float32)
-    inverse_gap = lax.bitcast_convert_type((127 - gap_exponent) << 23, jnp.float32)
-    return gap, inverse_gap
-
-
-def _difference(rounded: jax.Array, param: jax.Array) -> jax.Array:
-    """A float32 update u with `param + u` cast to `param`'s dtype equal to `rounded`.
-
-    `rounded - param` is exact in float32 for two bfloat16 or float16 values near each
-    other, and the sum lands on `rounded`. Where they are the same bits (an infinity kept,
-    a weight unchanged), -0.0 keeps the weight as it is, its sign of zero included.
-    """
-    new, old = rounded.astype(jnp.float32), param.astype(jnp.float32)
-    width = {1: jnp.uint8, 2: jnp.uint16}[rounded.dtype.itemsize]
-    same = lax.bitcast_convert_type(rounded, width) == lax.bitcast_convert_type(
-        param.astype(rounded.dtype), width
-    )
-    return jnp.where(same, jnp.float32(-0.0), new - old)
 
 
 # --- checks ---------------------------------------------------------------------------------
@@ -517,15 +346,9 @@ def _state_like(treedef: Any, tree: Any, owner: str, field: str) -> list[Any]:
     return flat
 
 
-def _rounded_dtype(
-    param: Any, path: Any, owner: str, at_init: bool = False
-) -> np.dtype[Any] | None:
-    """bfloat16 or float16 where `param` is such an array; None for a leaf passed through.
-    `at_init`: the dtype of the param a leaf that `loss_scaled` widened stands for."""
+def _rounded_dtype(param: Any, path: Any, owner: str) -> np.dtype[Any] | None:
+    """bfloat16 or float16 where `param` is such an array; None for a leaf passed through."""
     given = getattr(param, "dtype", None)
-    widened = (_WIDENED.get() or {}).get(id(param)) if at_init else None
-    if widened is not None and widened[0] is param:
-        return widened[1]
     if given is None or not jnp.issubdtype(given, jnp.floating):
         return None
     dtype: np.dtype[Any] = np.dtype(given)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import INT32_MAX, check_array_leaves, describe, path_name
+from jax_lossscale._checks import check_array_leaves, describe, path_name
+from jax_lossscale._counters import count_true
 from jax_lossscale._fp8_meta import OVERWRITE_WITH_GRADIENT
 from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._numerics import is_floating
@@ -45,26 +46,9 @@ def _count_non_finite(tree: PyTree) -> PyTree:
     def count(leaf: jax.Array) -> jax.Array:
         if not is_floating(leaf):
             return jnp.zeros([], jnp.int32)
-        return saturating_count(jnp.logical_not(jnp.isfinite(leaf)))
+        return count_true(jnp.logical_not(jnp.isfinite(leaf)))
 
     return jax.tree.map(count, tree)
-
-
-def saturating_count(flags: jax.Array, chunk: int = INT32_MAX) -> jax.Array:
-    """The number of true entries of `flags`, an int32 that stops at 2**31 - 1.
-
-    An array of at most `chunk` (2**31 - 1) entries is counted at once in int32. A
-    larger one is counted chunk by chunk, the running total kept in uint32 (which
-    holds 2**31 - 1 plus one chunk's count) and stopped at 2**31 - 1 after each chunk.
-    """
-    flags = flags.reshape(-1)
-    if flags.size <= chunk:
-        return flags.sum(dtype=jnp.int32)
-    total = jnp.zeros([], jnp.uint32)
-    for start in range(0, flags.size, chunk):
-        part = flags[start : start + chunk].sum(dtype=jnp.uint32)
-        total = jnp.minimum(total + part, np.uint32(INT32_MAX))
-    return total.astype(jnp.int32)
 
 
 def non_finite_paths(counts: PyTree) -> dict[str, int]:

@@ -143,11 +143,6 @@ class DynamicLossScale(LossScale):
             overflows_until_backoff=jnp.asarray(self.hysteresis, jnp.int32),
         )
 
-    def __call__(self, state: DynamicLossScaleState) -> jax.Array:
-        """Returns the current scale held in `state`, a float32 scalar array."""
-        check_loss_scale_state(self, state)
-        return state.loss_scale
-
     def adjust(
         self, state: DynamicLossScaleState, grads_finite: jax.Array
     ) -> tuple[DynamicLossScaleState, jax.Array]:

@@ -60,11 +60,6 @@ class FixedLossScale(LossScale):
         """Returns the state: the scale, `loss_scale_value`, as a float32 scalar array."""
         return FixedLossScaleState(loss_scale=jnp.asarray(self.loss_scale_value, jnp.float32))
 
-    def __call__(self, state: FixedLossScaleState) -> jax.Array:
-        """Returns the scale held in `state`, a float32 scalar array."""
-        check_loss_scale_state(self, state)
-        return state.loss_scale
-
     def adjust(
         self, state: FixedLossScaleState, grads_finite: jax.Array
     ) -> tuple[FixedLossScaleState, jax.Array]:

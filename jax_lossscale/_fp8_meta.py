@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._checks import describe, path_name
-from jax_lossscale._numerics import GradientCheck, finite_and_nan_flags
+from jax_lossscale._numerics import GradientSummary, exact_flags
 from jax_lossscale._types import AxisName, PyTree
 
 # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT, the collection of flax's fp8 meta state
@@ -184,18 +184,19 @@ class MetaStep:
         if not self._local:
             self._new: list[jax.Array] = []
             return
-        self.finite, self.has_nan = finite_and_nan_flags(self._local, axis_name)
+        # Exact per entry: a history may hold amaxes up to the float32 maximum.
+        self.finite, self.has_nan = exact_flags(self._local, axis_name)
         if axis_name is not None:
             self._new = [jax.lax.pmax(leaf, axis_name) for leaf in self._local]
         else:
             self._new = list(self._local)
 
-    def joined(self, check: GradientCheck) -> GradientCheck:
-        """The check of the gradients, with the meta values' finiteness and NaNs added."""
+    def joined(self, summary: GradientSummary) -> GradientSummary:
+        """The summary of the gradients, with the meta values' finiteness and NaNs added."""
         if self.finite is None or self.has_nan is None:
-            return check
-        return check._replace(
-            finite=check.finite & self.finite, has_nan=check.has_nan | self.has_nan
+            return summary
+        return summary._replace(
+            finite=summary.finite & self.finite, has_nan=summary.has_nan | self.has_nan
         )
 
     def gated(self, apply: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jax_lossscale._checks import path_name
-from jax_lossscale._states import LossScaledState, LossScaleStats, StepStats
+from jax_lossscale._states import LossScaledState, LossScaleStats, StepStats, stats_with_scale
 from jax_lossscale._types import PyTree
 
 
@@ -70,7 +70,7 @@ def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
     state = _find_state(opt_state, "get_loss_scale_stats")
     stats = _unwrapped(_field(state, "stats"))
     recorded = StepStats(**{field: _field(stats, field) for field in StepStats._fields})
-    return LossScaleStats._of(_read_scale(state, "get_loss_scale_stats"), recorded)
+    return stats_with_scale(_read_scale(state, "get_loss_scale_stats"), recorded)
 
 
 def _is_wrapper_state(node: Any) -> bool:

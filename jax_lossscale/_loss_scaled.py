@@ -3,21 +3,17 @@
 from typing import Any
 
 import optax
-from jax.lax import optimization_barrier
 
-from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, checked_scale
-from jax_lossscale._bf16_weights import own_dtypes_of
-from jax_lossscale._branches import apply_or_skip, skips_by_select
+from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, scale_of
 from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import (
-    check_gradients,
-    in_unscaled_dtypes,
-    on_gpu,
-    scalars_written_together,
+    summarize_gradients,
     unscaled_gradients,
 )
+from jax_lossscale._platforms import Form, reciprocal_factors, scalars_written_together
+from jax_lossscale._skip import Operands, apply_or_skip, initial_inner_state
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
     LossScaledState,
@@ -105,6 +101,31 @@ def loss_scaled(
       >>> optax.apply_updates(params, updates), jls.get_loss_scale(opt_state)
       ({'w': Array([1., 2.], dtype=float32)}, Array(2., dtype=float32))
     """
+    return in_form(
+        Form.LOWERED,
+        inner,
+        loss_scale,
+        axis_name,
+        skip_grad_norm_above=skip_grad_norm_above,
+        skip_spike_sigmas=skip_spike_sigmas,
+        spike_window=spike_window,
+        fp8_meta=fp8_meta,
+    )
+
+
+def in_form(
+    form: Form,
+    inner: optax.GradientTransformation | optax.MultiSteps,
+    loss_scale: LossScale,
+    axis_name: AxisName | None = None,
+    *,
+    skip_grad_norm_above: float | None = None,
+    skip_spike_sigmas: float | None = None,
+    spike_window: int = 128,
+    fp8_meta: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """`loss_scaled` in the `form` given: `Form.LOWERED` is the platform's; tests pass
+    `Form.CPU` or `Form.GPU` to run either on any platform."""
     inner = _checked_inner(inner)
     _check_loss_scale(loss_scale)
     check_axis_name(axis_name, caller="loss_scaled", require_bound=False)
@@ -113,17 +134,13 @@ def loss_scaled(
     meta_leaves = MetaLeaves(fp8_meta)  # fp8 scales and amax histories: _fp8_meta.py
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        params = meta_leaves.without(params)
-        widened = in_unscaled_dtypes(params)
-        with own_dtypes_of(widened, params):  # kahan_summation: float16 weights get buffers
-            inner_state = inner.init(widened)
+        inner_state = initial_inner_state(inner.init, meta_leaves.without(params))
         if wrapper_states(inner_state):
             raise ValueError(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
                 "would be unscaled twice. Use one loss_scaled around the whole optimizer"
             )
         loss_scale_state = loss_scale.init()
-        checked_scale(loss_scale, loss_scale_state)  # a user subclass's __call__, checked early
         return LossScaledState(inner_state, loss_scale_state, initial_stats(), spike_rule.init())
 
     def update_fn(
@@ -137,30 +154,30 @@ def loss_scaled(
         check_axis_name(axis_name, caller="loss_scaled.update")
         scaled_grads, params, meta = meta_leaves.split(updates, params, axis_name)
         loss = spike_rule.loss(extra_args.get("value"), axis_name)
-        scale = checked_scale(loss_scale, state.loss_scale_state)
+        scale = scale_of(loss_scale, state.loss_scale_state)
+        factors = reciprocal_factors(scale, form)
 
-        # One pass over the scaled gradients: the unscaled gradients' flags and norm.
-        check = meta.joined(check_gradients(scaled_grads, axis_name, scale))
-        loss_scale_state, scale_applies = loss_scale.adjust(state.loss_scale_state, check.finite)
+        # One pass over the scaled gradients gives the unscaled gradients' norm and flags.
+        summary = meta.joined(summarize_gradients(scaled_grads, axis_name, factors, form))
+        loss_scale_state, scale_applies = loss_scale.adjust(state.loss_scale_state, summary.finite)
         check_should_apply(loss_scale, scale_applies, "loss_scaled")
-        spike, apply = spike_rule.decide(check, loss, state.spike_windows, scale_applies)
+        spike, apply = spike_rule.decide(summary, loss, state.spike_windows, scale_applies)
         apply = meta.gated(apply)  # a non-finite new meta value is skipped under every scale
 
-        def inner_update() -> tuple[optax.Updates, optax.OptState]:
-            # Unscaled again inside the update, fused into it (docs/design.md).
-            with explaining_failures(inner, state.inner_state, [params, scaled_grads]):
-                # (On a GPU the update shares the check's reciprocal: no barrier there.)
-                scale_read = on_gpu(lambda x: x, optimization_barrier, scale)
-                grads = unscaled_gradients(scaled_grads, scale_read, params)
-                return inner.update(grads, state.inner_state, params, **extra_args)
+        def inner_update(given: Operands) -> tuple[optax.Updates, optax.OptState]:
+            with explaining_failures(inner, given.inner_state, [given.params, given.scaled_grads]):
+                grads = unscaled_gradients(given.scaled_grads, given.factors, given.params)
+                return inner.update(grads, given.inner_state, given.params, **given.extra_args)
 
-        select = skips_by_select(state.inner_state, scaled_grads)
-        new_updates, inner_state = apply_or_skip(apply, inner_update, state.inner_state, select)
-        new_updates = meta.merged(new_updates, apply, lambda: loss_scale(loss_scale_state) / scale)
-        stats = next_stats(state.stats, check, applied=apply, spike=spike)
-        spike_windows = spike_rule.record(state.spike_windows, check.norm, loss, apply)
+        operands = Operands(scaled_grads, state.inner_state, params, factors, extra_args)
+        new_updates, inner_state = apply_or_skip(apply, inner_update, operands, form)
+        new_updates = meta.merged(
+            new_updates, apply, lambda: scale_of(loss_scale, loss_scale_state) / scale
+        )
+        stats = next_stats(state.stats, summary, applied=apply, spike=spike)
+        spike_windows = spike_rule.record(state.spike_windows, summary.norm, loss, apply)
         new_state = LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
-        return new_updates, scalars_written_together(new_state)
+        return new_updates, scalars_written_together(new_state, form)
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

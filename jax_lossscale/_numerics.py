@@ -1,7 +1,7 @@
-"""The numerics: one pass over the gradients for the finite check, the norm and NaNs; scaling.
+"""The numerics: the exact finite test, the gradient summary of one pass, and scaling.
 
-Every reduction over the gradients is formulated here; docs/design.md says why each
-takes the form it has.
+Every reduction over the gradients is formulated here (the parts that XLA:CPU and XLA:GPU
+want differently in `_platforms`); docs/design.md says why each takes the form it has.
 """
 
 import functools
@@ -11,9 +11,10 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
+from jax_lossscale._axes import may_be_sharded, names_of, varying_axes, varying_like
 from jax_lossscale._checks import check_array_leaves, check_axis_name, is_at_least_float32
+from jax_lossscale._platforms import Form, reciprocal_factors, row_sums
 from jax_lossscale._types import AxisName, PyTree
 
 
@@ -28,7 +29,9 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
     `None` leaves and integer, boolean and `float0` arrays are ignored, so an
     empty tree is finite. With `axis_name` (inside `pmap` or `shard_map`) the
     answer is combined across that axis: it is true only when it is true on
-    every device, and every device gets the same answer.
+    every device, and every device gets the same answer. The test is exact per
+    entry: a finite entry of any size is finite (`loss_scaled`'s own check also
+    counts gradients whose squared norm overflows float32, see `LossScaleStats`).
 
     Args:
       tree: a pytree of arrays, typically gradients.
@@ -53,255 +56,157 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=1)
 def finite_flag(tree: PyTree, axis_name: AxisName | None) -> jax.Array:
     """`all_finite` without the leaf check, for callers that have made it already."""
-    return finite_and_nan_flags(tree, axis_name)[0]
+    return exact_flags(tree, axis_name)[0]
 
 
-def finite_and_nan_flags(tree: PyTree, axis_name: AxisName | None) -> tuple[jax.Array, jax.Array]:
-    """Whether the floating leaves of `tree` are all finite, and whether one holds a NaN, exact
-    per entry on every platform (`all_finite`'s pass), each the same on every device of
+def exact_flags(tree: PyTree, axis_name: AxisName | None) -> tuple[jax.Array, jax.Array]:
+    """Whether every floating entry of `tree` is finite, and whether one is a NaN, exact per
+    entry (a finite entry of any size is finite), each the same on every device of
     `axis_name`."""
-    totals, infs = square_sums_and_infs(floating_parts(tree))
-    nans = [jnp.isnan(total) for total in totals]
-    has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
+    finite, has_nan = [], []
+    for group in reduction_groups(floating_parts(tree)):
+        finite.append(_combined([jnp.isfinite(part) for part in group], jnp.logical_and, 1).all())
+        has_nan.append(_combined([jnp.isnan(part) for part in group], jnp.logical_or, 0).any())
+    all_finite = jnp.stack(finite).all() if finite else jnp.array(True)
+    any_nan = jnp.stack(has_nan).any() if has_nan else jnp.array(False)
     if axis_name is not None:
-        has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return _finite(totals, infs, axis_name), has_nan
+        flags = jax.lax.pmax(jnp.stack([~all_finite, any_nan]).astype(jnp.int32), axis_name)
+        all_finite, any_nan = flags[0] == 0, flags[1] == 1
+    return all_finite, any_nan
 
 
-def may_be_sharded(leaf: Any) -> bool:
-    """Whether XLA may split `leaf` over more than one device, as its type says.
+class GradientSummary(NamedTuple):
+    """What the one pass over the gradients tells, the same on every device of `axis_name`.
 
-    The type of an array (`jax.typeof(leaf).sharding`) names the mesh it is placed on, or
-    none for an array on one device and for a NumPy array; then the mesh entered with
-    `jax.sharding.set_mesh`, if any, is read instead. Over a mesh axis of more than one
-    device, an `Explicit` axis splits the leaf where its spec names the axis, an `Auto`
-    axis (of a `Mesh` built directly) lets XLA's partitioner split it as it chooses, and a
-    `Manual` axis (inside `pmap` or `shard_map`) holds each device's own values, which
-    are not split. Nothing here reads how many devices the process has: a leaf on one
-    device of eight is not sharded. Under `jit` given `in_shardings` alone, the type of an
-    argument names no mesh; the leaf is then taken as unsharded, and the one-pass form
-    stays correct if XLA splits it after all (the partitioner then gathers each part's
-    per-device results, a scalar pair per device, and the joined small leaves).
+    A step is finite when the squared L2 norm of its (unscaled) gradients is: a NaN, an
+    infinity, or finite entries whose squares add up past the float32 maximum (a norm
+    above about 1.8e19) make it not finite, on every platform and in every distribution.
     """
-    sharding = jax.typeof(leaf).sharding
-    mesh = sharding.mesh
-    split: set[Any] = set()
-    if mesh.empty:
-        mesh = jax.sharding.get_abstract_mesh()
-    else:
-        for entry in sharding.spec:
-            split.update(entry if isinstance(entry, tuple) else [entry])
-    for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True):
-        if size > 1 and (kind == AxisType.Auto or (kind == AxisType.Explicit and name in split)):
-            return True
-    return False
-
-
-def _varying_axes(part: jax.Array) -> frozenset[Any]:
-    """The `shard_map` axes over which `part` varies (none outside `shard_map`)."""
-    axis_type = getattr(jax.typeof(part), "manual_axis_type", None)
-    return cast(frozenset[Any], getattr(axis_type, "varying", frozenset()))
-
-
-def _finite(
-    totals: list[jax.Array], infs: list[jax.Array], axis_name: AxisName | None
-) -> jax.Array:
-    """Whether no part of `square_sums_and_infs` holds a NaN or an infinity, combined over
-    `axis_name`."""
-    flags = [~jnp.isnan(total) & ~inf for total, inf in zip(totals, infs, strict=True)]
-    finite = jnp.stack(flags).all() if flags else jnp.array(True)
-    if axis_name is not None:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite
-
-
-def square_sums_and_infs(
-    parts: list[jax.Array], one_pass: bool | None = None, factor: jax.Array | None = None
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per part, the sum of `|x| * |x|` over its entries `x` (each times `factor`, a
-    positive float32 scalar, if given), in float32 or wider, and whether an entry is
-    +-inf.
-
-    The pass over the gradients that the finite check, the gradient norm and the NaN count
-    of skipped steps read. A sum is NaN exactly when its part holds a NaN (its terms are
-    >= 0 or +inf, so no infinity cancels another), +inf when it holds an infinity or
-    finite squares too large for the dtype, and otherwise the part's squared L2 norm.
-    The flag tells an infinity from squares that overflow, which the sum cannot. Nothing
-    here makes a NaN from a value that is not one (no `x - x`, no `inf * 0`), so
-    `jax_debug_nans` finds the op that made it. (The square is written with `|x|`, which
-    the flag reads too, not as `x * x`, so that XLA does not share it with an optimizer's
-    own `g**2` and keep it in memory for both.)
-
-    With `factor`, the entries are multiplied by it first: with the reciprocal of the
-    loss scale, the sums and the flags are those of the unscaled gradients, which then
-    need not exist in memory, and the norm is right at every scale.
-
-    With `one_pass`, both come from one variadic reduction, which writes nothing and, on
-    a CPU, takes as long as the sum alone; but XLA's SPMD partitioner gathers the partial
-    results of a variadic reduction where it all-reduces a sum. Where a part may be
-    sharded across devices, `one_pass=False` gives two sums, the flag's a count. By
-    default each part takes one pass unless `may_be_sharded` says it may be split.
-    """
-    totals, infs = [], []
-    for part in parts:
-        part_one_pass = not may_be_sharded(part) if one_pass is None else one_pass
-        # No gradient flows through a check; a variadic reduction has no derivative rule.
-        wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
-        if factor is not None:
-            wide = wide * factor.astype(wide.dtype)
-        magnitude = jnp.abs(wide)
-        terms = magnitude * magnitude
-        if part_one_pass:
-            total, has_inf = jax.lax.reduce(
-                (terms, magnitude == np.inf),
-                (np.zeros((), wide.dtype), np.bool_(False)),
-                _add_and_or,
-                tuple(range(wide.ndim)),
-            )
-        else:
-            # A count of infinities, a float sum as the partitioner all-reduces the total.
-            infinities = jnp.sum((magnitude == np.inf).astype(wide.dtype))
-            total, has_inf = jnp.sum(terms), infinities > 0
-        totals.append(total)
-        infs.append(has_inf)
-    return totals, infs
-
-
-def on_gpu(gpu: Callable[..., Any], other: Callable[..., Any], *args: Any) -> Any:
-    """`gpu(*args)` where the program is lowered for a GPU (CUDA or ROCm), else `other(*args)`.
-
-    Both are traced (`jax.lax.platform_dependent`), and the lowering keeps the chosen one
-    alone, so the program of any other platform is the one `other` alone would give.
-    """
-    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=other)
-
-
-ROW = 512  # entries: the sums of squares on a GPU are first taken over rows of this many
-
-
-def square_sum(parts: list[jax.Array], factor: jax.Array | None = None) -> jax.Array:
-    """The sum of `|x| * |x|` over the entries `x` of all `parts` (each times `factor`, if
-    given), in float32 or wider: the form of the check for a GPU.
-
-    There a variadic reduction is split into two kernels that fuse into nothing, and so is a
-    plain sum over a large part: each part that may not be sharded is summed over rows of
-    `ROW` entries (one kernel), and the rows' sums of all parts over one more. Where the sum
-    is finite, it is the squared L2 norm; NaN exactly when an entry is NaN (the terms are
-    >= 0 or +inf, so no infinity cancels another, and nothing makes a NaN from a value that
-    is not one); +inf for an infinity, and for squares that overflow float32 (an unscaled
-    entry above about 1.8e19, or a squared norm above 3.4e38), which the wrapper's check may
-    count as an overflow (DESIGN 3.1; `all_finite` stays exact).
-    """
-    sums = []
-    for part in parts:
-        wide = jax.lax.stop_gradient(jnp.asarray(part, wide_dtype(part.dtype)))
-        if factor is not None:
-            wide = wide * factor.astype(wide.dtype)
-        magnitude = jnp.abs(wide)
-        squares = magnitude * magnitude
-        if may_be_sharded(part) or squares.size <= ROW:
-            sums.append(jnp.sum(squares).reshape(1))  # (the partitioner all-reduces a sum)
-        else:
-            rows = jnp.pad(squares.reshape(-1), (0, -squares.size % ROW)).reshape(-1, ROW)
-            sums.append(jnp.sum(rows, axis=1))
-    # The rows' sums of all parts are added up as vectors of one length, which the last sum
-    # reads in its one kernel; the barrier keeps XLA from joining each part's two sums into one,
-    # which it would split in two again. The last sum gives two halves: its consumers (the
-    # state's scalars) then share a vector, not a scalar, and XLA:GPU merges some of them.
-    sums = jax.lax.optimization_barrier(sums)
-    length = 2 * -(-max(part_sums.size for part_sums in sums) // 2)
-    padded = sum(jnp.pad(part_sums, (0, length - part_sums.size)) for part_sums in sums)
-    halves = jax.lax.optimization_barrier(jnp.sum(jnp.reshape(padded, (2, -1)), axis=1))
-    total: jax.Array = halves[0] + halves[1]
-    return total
-
-
-def _add_and_or(
-    left: tuple[jax.Array, jax.Array], right: tuple[jax.Array, jax.Array]
-) -> tuple[jax.Array, jax.Array]:
-    return left[0] + right[0], left[1] | right[1]
-
-
-class GradientCheck(NamedTuple):
-    """What one pass over the gradients tells, the same on every device of `axis_name`."""
 
     norm: jax.Array  # float32 L2 norm: NaN for a NaN, +inf for an infinity or an overflow
-    finite: jax.Array  # bool: no NaN, +inf or -inf
+    finite: jax.Array  # bool: the norm is finite
     has_nan: jax.Array  # bool: a NaN (on some device)
 
 
-def check_gradients(
-    tree: PyTree, axis_name: AxisName | None, divisor: jax.Array | None = None
-) -> GradientCheck:
-    """The float32 L2 norm of the floating leaves of `tree`, whether they are finite and
-    whether one holds a NaN.
+def summarize_gradients(
+    tree: PyTree,
+    axis_name: AxisName | None,
+    factors: tuple[jax.Array, jax.Array] | None = None,
+    form: Form = Form.LOWERED,
+) -> GradientSummary:
+    """The float32 L2 norm of the floating leaves of `tree`, from one pass over them.
 
-    With `divisor` (a positive float32 scalar), all three are those of `tree / divisor`,
-    each entry multiplied by the reciprocal of `divisor` inside the pass (in two factors,
-    as `divide_floating` takes it, the second applied to the norm): at any scale, the
-    flags are those of the unscaled gradients and the norm is right wherever the
-    unscaled gradients' is, though `tree / divisor` is never written out.
+    With `factors` (the `reciprocal_factors` of a scale), it is that of the floating leaves
+    times both, as `unscaled` multiplies them: the unscaled gradients are summarized, though
+    never written out. Each
+    part's squares are summed over rows (`_platforms.row_sums`), then all the rows'
+    sums together, so the norm is within about 1e-7 of the exact one whatever the size.
 
-    From `square_sums_and_infs`, the same reductions as `finite_flag`'s, which XLA
-    computes once for both. With `axis_name`, under `shard_map` a leaf that varies over
-    the axis is a shard of the global gradient, so its squares are summed over the axis,
-    and a leaf the same on every device is counted once. `pmap` (and `shard_map` with
-    `check_vma=False`) does not say which leaves vary: each device's leaves are taken as
-    the whole gradient, as after the `pmean` of data-parallel training. The devices then
-    agree on the largest norm, on the finite flag as `finite_flag` does, and on a NaN
-    held by any of them.
+    With `axis_name`, under `shard_map` a leaf that varies over the axis is a shard of the
+    global gradient, so its squares are summed over the axis before the norm is taken, and a
+    leaf the same on every device is counted once. `pmap` (and `shard_map` with
+    `check_vma=False`) does not say which leaves vary: each device's leaves are taken as the
+    whole gradient, as after the `pmean` of data-parallel training, and the devices agree on
+    the largest norm (a NaN on any device wins, then an infinity).
     """
     parts = floating_parts(tree)
-    factor, correction = (None, None) if divisor is None else reciprocal_factors(divisor)
-    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    groups: dict[tuple[Any, ...], list[int]] = {}  # the parts by the axes they vary over
-    for index, part in enumerate(parts):
-        varying = _varying_axes(part)
-        groups.setdefault(tuple(name for name in names if name in varying), []).append(index)
-
-    def per_part(
-        parts: list[jax.Array], factor: jax.Array | None
-    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-        totals, infs = square_sums_and_infs(parts, factor=factor)
-        finite = _finite(totals, infs, None)
-        nans = [jnp.isnan(total) for total in totals]
-        has_nan = jnp.stack(nans).any() if nans else jnp.array(False)
-        # (A Python sum, from 0, as the norm always took it.)
-        sums = [cast(jax.Array, sum(totals[i] for i in group)) for group in groups.values()]
-        return sums, finite, has_nan
-
-    def per_group(
-        parts: list[jax.Array], factor: jax.Array | None
-    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-        sums = [square_sum([parts[i] for i in group], factor) for group in groups.values()]
-        finite = jnp.stack([jnp.isfinite(total) for total in sums]).all()
-        has_nan = jnp.stack([jnp.isnan(total) for total in sums]).any()
-        return sums, finite, has_nan
-
-    if not parts:
-        sums, finite, has_nan = [], jnp.array(True), jnp.array(False)
-    else:
-        sums, finite, has_nan = on_gpu(per_group, per_part, parts, factor)
+    names = names_of(axis_name)
+    groups: dict[tuple[Any, ...], list[jax.Array]] = {}  # the parts by the axes they vary over
+    for part in parts:
+        axes = tuple(name for name in names if name in varying_axes(part))
+        groups.setdefault(axes, []).append(part)
+    total = jnp.zeros([], jnp.float32)
+    for axes, group in groups.items():
+        group_total = _square_sum(group, factors, form)
+        total = total + (jax.lax.psum(group_total, axes) if axes else group_total)
     if axis_name is not None:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-        has_nan = jax.lax.pmax(has_nan.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    if not sums:
-        return GradientCheck(jnp.zeros([], jnp.float32), finite, has_nan)
-    if axis_name is None:
-        norm = jnp.sqrt(sums[0]).astype(jnp.float32)
-        return GradientCheck(_corrected(norm, correction), finite, has_nan)
-    combined = [
-        jax.lax.psum(total, axes) if axes else total
-        for axes, total in zip(groups, sums, strict=True)
-    ]
-    norm = jax.lax.pmax(jnp.sqrt(sum(combined)).astype(jnp.float32), axis_name)
-    # A maximum may drop a NaN (XLA's on a CPU does); the flag, combined, restores it.
-    norm = jnp.where(has_nan, np.float32(np.nan), _corrected(norm, correction))
-    return GradientCheck(norm, finite, has_nan)
+        total = _largest_over(total, axis_name)
+    # The flags read the norm, not the total: a square root is an operation XLA computes once
+    # rather than copy it into each of the many kernels that read the flags (the skip's
+    # selects), and with it the sums before it, which then grow with the number of leaves.
+    norm = jnp.sqrt(total)
+    return GradientSummary(norm, jnp.isfinite(norm), jnp.isnan(norm))
 
 
-def _corrected(norm: jax.Array, correction: jax.Array | None) -> jax.Array:
-    return norm if correction is None else norm * correction
+def _square_sum(
+    parts: list[jax.Array], factors: tuple[jax.Array, jax.Array] | None, form: Form
+) -> jax.Array:
+    """The float32 sum of the squares of every entry of `parts` (times `factors`).
+
+    The entries are multiplied by the first factor only, and the sum by the square of the
+    second (1 unless the scale is above 2**126, and at least 1/4): above that scale a finite
+    scaled entry times the first factor is at most 4, so the squares overflow in neither
+    order, and each entry takes one multiplication fewer.
+    """
+    reciprocal = None if factors is None else Broadcasts(factors[0])
+    sums = []
+    for group in reduction_groups(parts):
+        # (The entries are multiplied by the reciprocal, not by the correction first as the
+        # unscaling multiplies them, so that XLA shares no product with the update and keeps
+        # none in memory for both; an optimizer's own squares are of unscaled gradients.)
+        squares = _combined([_squares(part, reciprocal) for part in group], jnp.add, 0)
+        if may_be_sharded(group[0]):  # a plain sum, which the partitioner all-reduces
+            sums.append(jnp.sum(squares).reshape(1))
+        else:
+            sums.append(row_sums(squares.reshape(-1), form))
+    # All the rows' sums in one more sum, in float32 (float64 gradients' too, under x64),
+    # added up as vectors of one length, which the last sum reads in one kernel (XLA would
+    # take a concatenation apart into a sum per part). The barrier keeps XLA:GPU from joining
+    # each part's two sums into one, which it would split in two again.
+    sums = jax.lax.optimization_barrier([part_sums.astype(jnp.float32) for part_sums in sums])
+    total = jnp.sum(_combined(sums, jnp.add, 0))
+    return total if factors is None else total * factors[1] * factors[1]
+
+
+def _combined(arrays: list[jax.Array], combine: Any, padding: Any) -> jax.Array:
+    """`arrays` combined entry by entry (`jnp.add`, `jnp.logical_and`): one array as it is,
+    several flattened and padded with `padding` to the longest, where their shapes differ."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if len({array.shape for array in arrays}) > 1:
+        length = max(array.size for array in arrays)
+        arrays = [
+            jnp.pad(array.reshape(-1), (0, length - array.size), constant_values=padding)
+            for array in arrays
+        ]
+    return functools.reduce(combine, arrays)
+
+
+def _squares(part: jax.Array, reciprocal: "Broadcasts | None") -> jax.Array:
+    """The squares of the entries of `part` (times `reciprocal`), in float32 or wider. Nothing
+    makes a NaN from a value that is not one."""
+    wide = part if is_at_least_float32(part.dtype) else part.astype(jnp.float32)
+    if reciprocal is not None:
+        wide = wide * reciprocal.like(wide)
+    return wide * wide
+
+
+class Broadcasts:
+    """A scalar and its broadcasts to the shapes and dtypes asked, each made once.
+
+    Every leaf of a step is multiplied by the scale's reciprocal; written `leaf * scalar`,
+    each multiplication traces, lowers and compiles a broadcast of its own, and a step with
+    many leaves takes time in proportion to its operations. Leaves mostly share shapes.
+    """
+
+    def __init__(self, scalar: jax.Array) -> None:
+        self.scalar = scalar
+        self._made: dict[tuple[tuple[int, ...], Any], jax.Array] = {}
+
+    def like(self, leaf: jax.Array) -> jax.Array:
+        key = (leaf.shape, leaf.dtype)
+        if key not in self._made:
+            self._made[key] = jax.lax.broadcast(self.scalar.astype(leaf.dtype), leaf.shape)
+        return varying_like(self._made[key], leaf)
+
+
+def _largest_over(total: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The largest of `total` over the devices of `axis_name`, NaN if any is NaN: one
+    all-reduce (a maximum may drop a NaN, XLA's on a CPU does, so NaN goes as a code)."""
+    code = jnp.where(jnp.isnan(total), np.float32(np.inf), np.float32(0))
+    value = jnp.where(jnp.isnan(total), np.float32(0), total)
+    largest = jax.lax.pmax(jnp.stack([value, code]), axis_name)
+    return jnp.where(largest[1] > 0, np.float32(np.nan), largest[0])
 
 
 def wide_dtype(dtype: Any) -> Any:
@@ -309,44 +214,45 @@ def wide_dtype(dtype: Any) -> Any:
     return dtype if is_at_least_float32(dtype) else jnp.float32
 
 
-SMALL_PART = 2**12  # entries: a leaf this small is checked together with others
-GROUP_SIZE = 2**16  # entries: at most this many of them are joined into one part
+SMALL_PART = 2**12  # entries: leaves this small are reduced together
+GROUP_LEAVES = 32  # leaves at most in a group reduced together
 
 
-def floating_parts(tree: PyTree, join_small: bool | None = None) -> list[jax.Array]:
-    """The floating leaves of `tree` as parts to reduce, few of them for many leaves.
-
-    Complex leaves give their real and imaginary parts. With `join_small` (by default
-    for each leaf that `may_be_sharded` says is not split over devices: on one device, or
-    inside `pmap` or `shard_map`), leaves of at most `SMALL_PART` entries are joined, by
-    dtype (and, under `shard_map`, by the axes they vary over), into parts of at most
-    `GROUP_SIZE` entries: XLA compiles one reduction per group instead of one per leaf,
-    and the joined copies, at most `GROUP_SIZE` entries each, are all the memory it
-    takes. A joined part would gather a sharded leaf, so such a leaf stays apart.
-    """
+def floating_parts(tree: PyTree) -> list[jax.Array]:
+    """The floating leaves of `tree`; a complex leaf gives its real and imaginary parts."""
     parts: list[jax.Array] = []
-    small: dict[Any, list[jax.Array]] = {}
     for leaf in jax.tree.leaves(tree):
-        if not is_floating(leaf):
-            continue
-        joins = not may_be_sharded(leaf) if join_small is None else join_small
-        for part in [leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf]:
-            if joins and part.size <= SMALL_PART:
-                key = (part.dtype, _varying_axes(part))
-                small.setdefault(key, []).append(part.reshape(-1))
-            else:
-                parts.append(part)
-    for same_dtype in small.values():
-        group: list[jax.Array] = []
-        size = 0
-        for part in same_dtype:
-            if group and size + part.size > GROUP_SIZE:
-                parts.append(jnp.concatenate(group))
-                group, size = [], 0
-            group.append(part)
-            size += part.size
-        parts.append(jnp.concatenate(group) if len(group) > 1 else group[0])
+        if is_floating(leaf):
+            parts.extend([leaf.real, leaf.imag] if jnp.iscomplexobj(leaf) else [leaf])
     return parts
+
+
+def reduction_groups(parts: list[jax.Array]) -> list[list[jax.Array]]:
+    """`parts` in the groups they are reduced in: each alone, but that parts of at most
+    `SMALL_PART` entries, `GROUP_LEAVES` at most, are reduced together, combined entry by
+    entry (`_combined`), where `may_be_sharded` says they are not split over devices (on one
+    device, or inside `pmap` or `shard_map`, by the `shard_map` axes they vary over).
+
+    XLA then compiles one reduction per group instead of one per leaf, and writes nothing
+    out (a concatenation of many leaves would compile slowly). A sharded leaf stays alone,
+    as combining it with another would gather it.
+    """
+    groups: list[list[jax.Array]] = []
+    open_groups: dict[Any, list[jax.Array]] = {}  # by the axes they vary over
+    for part in parts:
+        if part.size > SMALL_PART or may_be_sharded(part):
+            groups.append([part])
+            continue
+        key = varying_axes(part)
+        group = open_groups.get(key)
+        if group is None or len(group) == GROUP_LEAVES:
+            group = open_groups[key] = []
+            groups.append(group)
+        group.append(part)
+    return groups
+
+
+# --- scaling --------------------------------------------------------------------------------
 
 
 @jax.jit
@@ -360,80 +266,26 @@ def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
     """`leaf / divisor` for each floating leaf, computed in float32 or wider, in the leaf's
     `unscaled_dtype` (float32 for float16, the leaf's own dtype otherwise).
 
-    Each leaf is multiplied by the reciprocal of `divisor` rather than divided by it:
-    a multiplication is cheap enough for XLA to fuse it into every consumer, where a
-    division would be computed once and kept in memory. The result is exact when
-    `divisor` is a power of two, as every scale of a `DynamicLossScale` with a
-    power-of-two `multiplier` is. The reciprocal is taken in two factors, the second
-    1.0 unless `divisor` exceeds 2**126, so that it never becomes a subnormal number
-    (which XLA flushes to zero on some backends).
+    Each leaf is multiplied by the reciprocal factors of `divisor` (`reciprocal_factors`)
+    rather than divided by it: a multiplication is cheap enough for XLA to fuse it into
+    every consumer, where a division would be computed once and kept in memory. The result
+    is exact when `divisor` is a power of two, as every scale of a `DynamicLossScale` with a
+    power-of-two `multiplier` is.
     """
-    reciprocal, correction = reciprocal_factors(divisor)
+    return unscaled(tree, reciprocal_factors(divisor, Form.CPU))
+
+
+def unscaled(tree: PyTree, factors: tuple[jax.Array, jax.Array]) -> PyTree:
+    """`divide_floating` given the reciprocal factors of the divisor."""
+    reciprocal, correction = Broadcasts(factors[0]), Broadcasts(factors[1])
 
     def unscale(leaf: jax.Array, wide: Any) -> jax.Array:
-        return leaf.astype(wide) * reciprocal.astype(wide) * correction.astype(wide)
+        leaf = leaf.astype(wide)
+        # (The correction first: the check multiplies by the reciprocal alone, and XLA
+        # would share that product with it and keep it in memory for both.)
+        return leaf * correction.like(leaf) * reciprocal.like(leaf)
 
     return _map_floating(unscale, tree, unscaled_dtype)
-
-
-def reciprocal_factors(divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two float32 factors whose product is `1 / divisor`, neither of them subnormal.
-
-    On a GPU both come from one division of pairs, the same two quotients: the kernels that
-    read them (every leaf's unscaling and check) then share an operand of two entries, and
-    XLA:GPU merges kernels that share one, where it merges none that share scalars only.
-    """
-    divisor = divisor.astype(jnp.float32)
-    bounded = jnp.minimum(divisor, np.float32(2.0**126))
-
-    def paired(bounded: jax.Array, divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
-        factors = jnp.stack([jnp.ones_like(bounded), bounded]) / jnp.stack([bounded, divisor])
-        return factors[0], factors[1]
-
-    def apart(bounded: jax.Array, divisor: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return 1 / bounded, bounded / divisor
-
-    return cast(tuple[jax.Array, jax.Array], on_gpu(paired, apart, bounded, divisor))
-
-
-def scalars_written_together(tree: PyTree) -> PyTree:
-    """`tree`, whose 32-bit scalar leaves, on a GPU, are written by one kernel.
-
-    XLA:GPU launches a kernel for each small computation of a scalar (a counter, the
-    scale, a select between old and new) that no larger kernel takes in, since it merges no
-    kernels over scalar operands. So there the scalars' bits are stacked into one vector
-    (one kernel computes them all), which a barrier keeps XLA from taking apart again, and
-    each is read back out with `max(b, b >> 1)`, which is `b` for unsigned bits but is an
-    elementwise operation, so that XLA writes them all in one more kernel. Other platforms
-    get `tree` as it is; weakly typed leaves stay out, since the bits come back strong, and so
-    do PRNG keys.
-    """
-    return on_gpu(_written_together, lambda tree: tree, tree)
-
-
-def _written_together(tree: PyTree) -> PyTree:
-    leaves, structure = jax.tree.flatten(tree)
-    groups: dict[Any, list[int]] = {}  # by the mapped axes a value varies over (shard_map)
-    for index, leaf in enumerate(leaves):
-        aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
-        if (
-            aval is not None
-            and aval.ndim == 0
-            and aval.dtype.itemsize == 4
-            and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
-            and not aval.weak_type
-        ):
-            groups.setdefault(getattr(aval, "manual_axis_type", None), []).append(index)
-    for chosen in groups.values():
-        if len(chosen) < 2:
-            continue
-        bits = jax.lax.optimization_barrier(
-            jnp.stack([jax.lax.bitcast_convert_type(leaves[i], jnp.uint32) for i in chosen])
-        )
-        for position, index in enumerate(chosen):
-            read = jnp.maximum(bits[position], bits[position] >> np.uint32(1))
-            leaves[index] = jax.lax.bitcast_convert_type(read, leaves[index].dtype)
-    return jax.tree.unflatten(structure, leaves)
 
 
 def unscaled_dtype(dtype: Any) -> Any:
@@ -444,23 +296,27 @@ def unscaled_dtype(dtype: Any) -> Any:
 
 
 def in_unscaled_dtypes(params: PyTree) -> PyTree:
-    """`params` with each float16 leaf as float32, the dtype its unscaled gradients take:
-    an inner optimizer's state made from them (adam's moments, MultiSteps' sums) keeps its
-    types through a step (a `lax.scan` carry, a donated buffer)."""
+    """`params` with each float16 leaf as float32, the dtype its unscaled gradients take
+    (`params` itself when it holds none)."""
+    leaves, structure = jax.tree.flatten(params)
+    if not any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in leaves):
+        return params
+    return jax.tree.unflatten(
+        structure,
+        [
+            jnp.asarray(leaf, jnp.float32) if getattr(leaf, "dtype", None) == jnp.float16 else leaf
+            for leaf in leaves
+        ],
+    )
 
-    def in_unscaled_dtype(param: Any) -> Any:
-        if getattr(param, "dtype", None) == jnp.float16:
-            return jnp.asarray(param, unscaled_dtype(param.dtype))
-        return param
 
-    return jax.tree.map(in_unscaled_dtype, params)
-
-
-def unscaled_gradients(scaled_grads: PyTree, scale: jax.Array, params: PyTree) -> PyTree:
-    """`divide_floating(scaled_grads, scale)`, each float16 leaf in its param's dtype where
-    that is wider than float32 (float64 under x64), when `params` has the gradients'
-    structure: the gradients as the inner optimizer takes them."""
-    grads = divide_floating(scaled_grads, scale)
+def unscaled_gradients(
+    scaled_grads: PyTree, factors: tuple[jax.Array, jax.Array], params: PyTree
+) -> PyTree:
+    """The gradients as the inner optimizer takes them: `scaled_grads` unscaled by the
+    reciprocal `factors`, each float16 leaf in its param's dtype where that is wider than
+    float32 (float64 under x64), when `params` has the gradients' structure."""
+    grads = unscaled(scaled_grads, factors)
     # jaxlib's PyTreeDef has no stubs: annotated, it is Any to mypy, and `!=` type-checks.
     structure: jax.tree_util.PyTreeDef = jax.tree.structure(scaled_grads)
     if params is None or jax.tree.structure(params) != structure:

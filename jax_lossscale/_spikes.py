@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._checks import INT32_MAX, check_named_arrays, describe, describe_array, is_array
-from jax_lossscale._numerics import GradientCheck
+from jax_lossscale._axes import names_of, varying_axes
+from jax_lossscale._checks import check_named_arrays, describe, describe_array, is_array
+from jax_lossscale._counters import counted
+from jax_lossscale._numerics import GradientSummary
 from jax_lossscale._types import AxisName
 
 
@@ -138,7 +140,7 @@ class SpikeRule:
 
     def decide(
         self,
-        check: GradientCheck,
+        summary: GradientSummary,
         loss: jax.Array | None,
         windows: SpikeWindows | None,
         scale_applies: jax.Array,
@@ -149,11 +151,11 @@ class SpikeRule:
         With one, a non-finite step, the largest spike there is, is skipped under every
         loss scale.
         """
-        spike = self.is_spike(check.norm, loss, windows)
+        spike = self.is_spike(summary.norm, loss, windows)
         if spike is None:
             return jnp.array(False), scale_applies
-        spike = spike & scale_applies & check.finite
-        return spike, scale_applies & check.finite & ~spike
+        spike = spike & scale_applies & summary.finite
+        return spike, scale_applies & summary.finite & ~spike
 
     def is_spike(
         self, grad_norm: jax.Array, loss: jax.Array | None, windows: SpikeWindows | None
@@ -193,7 +195,7 @@ class SpikeRule:
             return None
         finite, above = self._window_test(windows, grad_norm, loss)
         count = windows.spikes_in_a_row
-        count = jnp.where(above, count + (count < INT32_MAX).astype(jnp.int32), 0)
+        count = jnp.where(above, counted(count, jnp.bool_(True)), 0)
         return SpikeWindows(
             recent_grad_norms=_recorded(windows.recent_grad_norms, grad_norm, applied),
             recent_losses=(
@@ -281,9 +283,7 @@ def _mean_over(value: jax.Array, axis_name: AxisName) -> jax.Array:
     the axes it varies over, and it is already the same along the others. Where nothing
     says which axes it varies over (`pmap`, or `check_vma=False`), over all of them.
     """
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
-    varying: frozenset[Any] = getattr(axis_type, "varying", frozenset())
-    axes = tuple(name for name in names if name in varying) or axis_name
+    varying = varying_axes(value)
+    axes = tuple(name for name in names_of(axis_name) if name in varying) or axis_name
     mean: jax.Array = jax.lax.pmean(value, axes)
     return mean

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._checks import INT32_MAX, check_named_arrays
-from jax_lossscale._numerics import GradientCheck
+from jax_lossscale._checks import check_named_arrays
+from jax_lossscale._counters import counted
+from jax_lossscale._numerics import GradientSummary
 from jax_lossscale._spikes import SpikeRule, SpikeWindows
 from jax_lossscale._types import PyTree
 
@@ -72,7 +73,7 @@ class LossScaleStats(NamedTuple):
     loss_scale: jax.Array  # float32: the scale to multiply the next step's loss by
     # Then the fields of `StepStats`, in its order (what each holds is said there); the
     # annotations are written out for type checkers and the API reference, and the values
-    # come from a `StepStats` whole, through `_of`.
+    # come from a `StepStats` whole (`stats_with_scale`).
     grad_norm: jax.Array
     skipped_steps: jax.Array
     nan_skipped_steps: jax.Array
@@ -80,11 +81,6 @@ class LossScaleStats(NamedTuple):
     spike_skipped_steps: jax.Array
     consecutive_skipped_steps: jax.Array
     last_step_applied: jax.Array
-
-    @classmethod
-    def _of(cls, loss_scale: jax.Array, stats: StepStats) -> "LossScaleStats":
-        """The stats of a state: its scale in front of its `StepStats`."""
-        return cls(loss_scale, *stats)
 
 
 class LossScaledState(NamedTuple):
@@ -118,6 +114,11 @@ class LossScaledState(NamedTuple):
     spike_windows: SpikeWindows | None = None
 
 
+def stats_with_scale(loss_scale: jax.Array, stats: StepStats) -> LossScaleStats:
+    """The stats of a state for logging: its scale in front of its `StepStats`."""
+    return LossScaleStats(loss_scale, *stats)
+
+
 def initial_stats() -> StepStats:
     return StepStats(
         grad_norm=jnp.zeros([], jnp.float32),
@@ -131,29 +132,25 @@ def initial_stats() -> StepStats:
 
 
 def next_stats(
-    old: StepStats, check: GradientCheck, *, applied: jax.Array, spike: jax.Array
+    old: StepStats, summary: GradientSummary, *, applied: jax.Array, spike: jax.Array
 ) -> StepStats:
-    """The stats after a step that `check` tells of: a skip is a NaN skip, else an inf
+    """The stats after a step that `summary` tells of: a skip is a NaN skip, else an inf
     skip, else a spike skip (or none of these, when a custom LossScale skipped finite
     gradients)."""
     skipped = jnp.logical_not(applied)
     return StepStats(
-        grad_norm=check.norm,
-        skipped_steps=_saturating_increment(old.skipped_steps, skipped),
-        nan_skipped_steps=_saturating_increment(old.nan_skipped_steps, skipped & check.has_nan),
-        inf_skipped_steps=_saturating_increment(
-            old.inf_skipped_steps, skipped & ~check.has_nan & ~check.finite
+        grad_norm=summary.norm,
+        skipped_steps=counted(old.skipped_steps, skipped),
+        nan_skipped_steps=counted(old.nan_skipped_steps, skipped & summary.has_nan),
+        inf_skipped_steps=counted(
+            old.inf_skipped_steps, skipped & ~summary.has_nan & ~summary.finite
         ),
-        spike_skipped_steps=_saturating_increment(old.spike_skipped_steps, spike),
+        spike_skipped_steps=counted(old.spike_skipped_steps, spike),
         consecutive_skipped_steps=jnp.where(
-            applied, 0, _saturating_increment(old.consecutive_skipped_steps, skipped)
+            applied, 0, counted(old.consecutive_skipped_steps, skipped)
         ),
         last_step_applied=applied,
     )
-
-
-def _saturating_increment(count: jax.Array, increment: jax.Array) -> jax.Array:
-    return count + (increment & (count < INT32_MAX)).astype(jnp.int32)
 
 
 def check_state(state: Any, spike_rule: SpikeRule) -> None:

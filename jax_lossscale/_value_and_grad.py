@@ -100,7 +100,9 @@ def value_and_grad(
 
         # The output gradients' meta leaves, at the part of the scale the backward pass carries.
         numbers = argnums if using is None else 0
-        args, lift = _lowering(fun, has_aux, scale, meta_leaves, numbers, args, kwargs)
+        args, lift = _with_meta_divided_by_lift(
+            fun, has_aux, scale, meta_leaves, numbers, args, kwargs
+        )
 
         def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
             output = fun(*args, **kwargs)
@@ -159,7 +161,7 @@ def _times(rest: jax.Array, leaf: Any) -> Any:
     return leaf
 
 
-def _lowering(
+def _with_meta_divided_by_lift(
     fun: Callable[..., Any],
     has_aux: bool,
     scale: jax.Array,

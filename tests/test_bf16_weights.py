@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale import _bf16_weights
+from jax_lossscale import _rounding
 
 from helpers import assert_bits_equal, bits, device_array, with_excess_precision
 
@@ -98,7 +98,7 @@ def round_many(dtype, xs, params=None):
 def test_bfloat16_rounds_up_for_exactly_the_dropped_fraction_of_all_2_16_draws(pattern):
     x = jnp.asarray(np.full(2**16, f32_of_bits(pattern), np.float32))
     draws = jnp.asarray(np.arange(2**16, dtype=np.uint16))
-    rounded = np.asarray(_bf16_weights.round_bfloat16(x, draws)).view(np.uint16)
+    rounded = np.asarray(_rounding.round_bfloat16(x, draws)).view(np.uint16)
     toward_zero, away = pattern >> 16, (pattern >> 16) + 1
     values, counts = np.unique(rounded, return_counts=True)
     expected = {toward_zero: 2**16 - (pattern & 0xFFFF), away: pattern & 0xFFFF}
@@ -131,7 +131,7 @@ def test_float16_rounds_away_from_zero_for_draws_below_exactly_the_probability_t
     assert threshold == probability * 2**32
     draws = device_array([0, max(threshold - 1, 0), threshold, 2**32 - 1], np.uint32)
     x = jnp.asarray(np.full(4, x, np.float32))
-    rounded = np.asarray(_bf16_weights.round_float16(x, draws)).astype(float)
+    rounded = np.asarray(_rounding.round_float16(x, draws)).astype(float)
     first = away if threshold else toward_zero
     np.testing.assert_array_equal(rounded, [first, first, toward_zero, toward_zero])
 
@@ -141,12 +141,12 @@ def test_infinities_and_nan_pass_through_either_rounding():
     x = jnp.asarray(x)
     for draws in (np.zeros(4, np.uint16), np.full(4, 0xFFFF, np.uint16)):
         draws = jnp.asarray(draws)
-        bf16 = np.asarray(_bf16_weights.round_bfloat16(x, draws)).astype(float)
+        bf16 = np.asarray(_rounding.round_bfloat16(x, draws)).astype(float)
         assert bf16[:2].tolist() == [np.inf, -np.inf]
         assert np.isnan(bf16[2:]).all()
     for draws in (np.zeros(4, np.uint32), np.full(4, 2**32 - 1, np.uint32)):
         draws = jnp.asarray(draws)
-        f16 = np.asarray(_bf16_weights.round_float16(x, draws)).astype(float)
+        f16 = np.asarray(_rounding.round_float16(x, draws)).astype(float)
         assert f16[:2].tolist() == [np.inf, -np.inf]
         assert np.isnan(f16[2:]).all()
 
@@ -253,7 +253,7 @@ def test_round_to_nearest_is_the_cast_written_out_in_float32(dtype):
     """Kahan's rounding equals NumPy's cast (ml_dtypes for bfloat16, ties to even) on every
     sample, bit for bit, and is a value of the dtype, so casting it to the dtype is exact."""
     x = float32_samples()
-    nearest = np.asarray(jax.jit(_bf16_weights.round_to_nearest, static_argnums=1)(x, dtype))
+    nearest = np.asarray(jax.jit(_rounding.round_to_nearest, static_argnums=1)(x, dtype))
     with np.errstate(over="ignore", invalid="ignore"):  # the edges overflow, NaN is NaN
         cast = x.astype(dtype)
         recast = nearest.astype(dtype).astype(np.float32)
@@ -406,7 +406,7 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     start = np.asarray(float32_of(weight, low))
     tx = jls.kahan_summation()
     new_updates, state = jax.jit(tx.update)(
-        jnp.asarray(updates), _bf16_weights.KahanSummationState(jnp.asarray(low)), weight
+        jnp.asarray(updates), jls.KahanSummationState(jnp.asarray(low)), weight
     )
     new = optax.apply_updates(jnp.asarray(weight), new_updates)
     total = start + updates
@@ -418,7 +418,7 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     edges = device_array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16)
     low = device_array([0, 0, 0, -5, -5], np.int16)
     edge_updates = device_array([1e38, np.nan, np.inf, 1.0, -0.0])
-    new_updates, state = tx.update(edge_updates, _bf16_weights.KahanSummationState(low), edges)
+    new_updates, state = tx.update(edge_updates, jls.KahanSummationState(low), edges)
     new = np.asarray(optax.apply_updates(edges, new_updates), np.float32)
     assert new[[0, 2, 3]].tolist() == [np.inf, np.inf, 1.0]
     assert np.isnan(new[1])
@@ -517,11 +517,11 @@ def test_stochastic_rounding_draws_16_bits_a_bfloat16_entry_and_32_a_float16_one
 
 def test_the_bits_of_an_odd_length_or_scalar_bfloat16_leaf_are_uniform_and_all_used():
     key = jax.random.key(4)
-    draws = np.asarray(_bf16_weights._bits16(key, (3, 2**15 + 1)), np.int64)
+    draws = np.asarray(_rounding.bits16(key, (3, 2**15 + 1)), np.int64)
     assert draws.shape == (3, 2**15 + 1)
     assert 2**15 - 3 * 2**8 < draws.mean() < 2**15 + 3 * 2**8  # uniform on [0, 2**16)
     assert len(np.unique(draws)) > 0.6 * 2**16
-    assert _bf16_weights._bits16(key, ()).shape == ()
+    assert _rounding.bits16(key, ()).shape == ()
 
 
 def test_one_key_given_to_two_transformations_rounds_matching_leaves_alike():

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 import chex
 import jax
@@ -873,17 +874,16 @@ def test_max_loss_scale_is_stored_as_the_float32_ceiling_the_update_uses():
     assert float(ls(state)) == 2.0**20
 
 
-@dataclasses.dataclass(frozen=True)
-class _BadScaleLossScale(jls.LossScale):
-    """A user loss scale whose `__call__` returns something that is not a float32 scalar."""
+class _ScaleState(NamedTuple):
+    loss_scale: object
 
-    value: object
+
+@dataclasses.dataclass(frozen=True)
+class _UserLossScale(jls.LossScale):
+    """A user loss scale holding its scale in a NamedTuple state."""
 
     def init(self):
-        return ()
-
-    def __call__(self, state):
-        return self.value
+        return _ScaleState(jnp.float32(2.0))
 
     def adjust(self, state, grads_finite):
         return state, jnp.array(True)
@@ -892,21 +892,59 @@ class _BadScaleLossScale(jls.LossScale):
         return {}
 
 
-@pytest.mark.parametrize("method", ["scale", "unscale"])
+@pytest.mark.parametrize("method", ["scale", "unscale", "__call__"])
 @pytest.mark.parametrize(
-    ("value", "description"),
+    ("value", "message"),
     [
-        (2.0, "float (2.0)"),
-        (np.array([2.0, 4.0], np.float32), "ndarray of dtype float32 and shape (2,)"),
-        (np.float16(2.0), "float16 of dtype float16 and shape ()"),
+        (2.0, "must be an array, got float (2.0)"),
+        (np.array([2.0, 4.0], np.float32), "must have shape (), got shape (2,)"),
+        (np.float16(2.0), "must have dtype float32 (not weakly typed), got float16 of dtype"),
     ],
 )
-def test_scale_that_is_not_a_float32_scalar_is_refused(method, value, description):
-    ls = _BadScaleLossScale(value)
+def test_scale_that_is_not_a_float32_scalar_is_refused(method, value, message):
+    """A state whose scale is not a float32 scalar array, given to any reader of the scale
+    (`scale`, `unscale`, `ls(state)`)."""
+    ls = _UserLossScale()
+    with pytest.raises((TypeError, ValueError)) as excinfo:
+        getattr(ls, method)(
+            _ScaleState(value), *([{"w": jnp.ones(2)}] if method != "__call__" else [])
+        )
+    assert str(excinfo.value).startswith(f"_UserLossScale: state.loss_scale {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwiceTheScale(jls.LossScale):
+    """A user loss scale whose `__call__` is not the scale its state holds."""
+
+    def init(self):
+        return jls.FixedLossScaleState(jnp.float32(4.0))
+
+    def __call__(self, state):
+        return state.loss_scale * 2
+
+    def adjust(self, state, grads_finite):
+        return state, jnp.array(True)
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "inside jit"])
+def test_a_call_that_is_not_the_held_scale_is_refused_by_loss_scaled(traced):
+    """`loss_scaled` multiplies the loss by the state's `loss_scale` (`get_loss_scale`,
+    `value_and_grad`) and divides the gradients by it: a `__call__` that gives another value
+    is refused when the wrapper is built, inside a traced function too."""
+
+    def build():
+        return jls.loss_scaled(optax.sgd(0.1), _TwiceTheScale())
+
     with pytest.raises(TypeError) as excinfo:
-        getattr(ls, method)(ls.init(), {"w": jnp.ones(2)})
+        jax.jit(lambda: build() and 0)() if traced else build()
     assert str(excinfo.value) == (
-        f"_BadScaleLossScale.__call__ must return a float32 scalar array, got {description}"
+        "loss_scaled(loss_scale=_TwiceTheScale()): _TwiceTheScale.__call__ returns 8.0 for "
+        "the initial state, whose loss_scale is 4.0; the loss is multiplied by loss_scale "
+        "(get_loss_scale, value_and_grad) and the gradients divided by it, so __call__ must "
+        "return state.loss_scale (or be left to LossScale)"
     )
 
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._diagnostics import saturating_count
+from jax_lossscale._counters import count_true
 
 from helpers import assert_bits_equal, device_array, stats_dict
 
@@ -189,8 +189,8 @@ def test_train_step_reports_the_overflowing_layer():
     ("size", "chunk", "expected"),
     [(10, 3, 10), (10, 4, 10), (12, 4, 12), (5, 8, 5), (0, 4, 0)],
 )
-def test_saturating_count_in_chunks_counts_exactly_below_the_limit(size, chunk, expected):
-    assert int(jax.jit(saturating_count, static_argnums=1)(np.ones(size, bool), chunk)) == expected
+def test_count_true_in_chunks_counts_exactly_below_the_limit(size, chunk, expected):
+    assert int(jax.jit(count_true, static_argnums=1)(np.ones(size, bool), chunk)) == expected
 
 
 def test_count_non_finite_saturates_past_int32_max():

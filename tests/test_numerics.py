@@ -12,15 +12,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
+from jax_lossscale._axes import may_be_sharded
 from jax_lossscale._numerics import (
-    GROUP_SIZE,
+    GROUP_LEAVES,
     SMALL_PART,
-    check_gradients,
     finite_flag,
     floating_parts,
-    may_be_sharded,
-    square_sums_and_infs,
+    reduction_groups,
+    summarize_gradients,
 )
+from jax_lossscale._platforms import Form
 
 from helpers import compiled_reductions, device_array
 
@@ -365,7 +366,7 @@ def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
     found."""
     tree = join_tree()
     one_device = jax.devices()[5]
-    check = jax.jit(lambda t: (jls.all_finite(t), check_gradients(t, None).has_nan))
+    check = jax.jit(lambda t: (jls.all_finite(t), summarize_gradients(t, None).has_nan))
     for key in ["s000", "s001", "s004", "s017", "s039", "big", "big16"]:
         for value in ["nan", "inf", "-inf", None]:
             t = dict(tree)
@@ -376,11 +377,12 @@ def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
             finite_, has_nan = check(jax.device_put(t, one_device))
             assert bool(finite_) is (value is None), (key, value)
             assert bool(has_nan) is (value == "nan"), (key, value)
-    # 42 leaves (8 of them complex, so 50 parts): two alone, the small ones in 4 groups,
-    # one per dtype (the complex leaves' parts join the float32 ones); one pass each.
+    # 42 leaves (8 of them complex, so 50 parts): two alone, and the 48 small ones in groups
+    # of at most GROUP_LEAVES, whatever their dtypes: 2 + 2 reductions, and one of their flags.
+    assert GROUP_LEAVES == 32
     for placed in (tree, jax.device_put(tree, one_device)):
         jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(placed))
-        assert (jaxpr.count("reduce["), jaxpr.count("reduce_sum[")) == (2 + 4, 0)
+        assert jaxpr.count("reduce_and[") == 2 + 2 + 1
     # A step of loss_scaled counts a NaN in a joined leaf as a NaN skip (ten small leaves of
     # the five dtypes, in groups, to compile quickly).
     few = {key: tree[key] for key in sorted(tree)[:10]}
@@ -390,10 +392,10 @@ def test_leaves_on_one_device_join_small_ones_and_still_find_each_nan_and_inf():
     assert int(jls.get_loss_scale_stats(state).nan_skipped_steps) == 1
 
 
-def test_leaves_that_may_be_sharded_are_checked_apart_in_two_passes():
+def test_leaves_that_may_be_sharded_are_checked_apart():
     """Leaves placed on the 8 devices (replicated over a mesh whose axis XLA may split them
-    along): no small leaf is joined, and each part takes two sums, the flag's a count; a NaN
-    in a small leaf is still found."""
+    along): no small leaf is joined, one reduction per part; a NaN in a small leaf is still
+    found."""
     tree = {
         "a": np.ones(7, np.float32),
         "b": np.ones(9, np.float32),
@@ -402,60 +404,77 @@ def test_leaves_that_may_be_sharded_are_checked_apart_in_two_passes():
     }
     placed = jax.device_put(tree, NamedSharding(auto_mesh(), P()))
     jaxpr = str(jax.make_jaxpr(lambda t: finite_flag(t, None))(placed))
-    assert (jaxpr.count("reduce["), jaxpr.count("reduce_sum[")) == (0, 2 * 5)
+    assert jaxpr.count("reduce_and[") == 5 + 1  # each of the 5 parts, then their flags
     assert bool(jls.all_finite(placed)) is True
     bad = dict(tree, b=np.array([1.0] * 8 + [np.nan], np.float32))
     assert bool(jls.all_finite(jax.device_put(bad, NamedSharding(auto_mesh(), P())))) is False
 
 
-# Parts as `floating_parts` gives them, each with its expected (sum of squares, inf flag): the
-# sum is NaN for a NaN entry, +inf for an infinity or finite squares that overflow, and the
-# flag is set for an infinity alone. Sums are in float32 (float16, bfloat16 and float8
+# Parts, each with its expected squared norm and finite flag: the squared norm is NaN for a
+# NaN entry and +inf for an infinity or finite squares that overflow float32, which the
+# wrapper's check counts as not finite. Sums are in float32 (float16, bfloat16 and float8
 # parts widened).
 CHECKED_PARTS = {
-    "finite": (np.array([3.0, -4.0], np.float32), 25.0, False),
+    "finite": (np.array([3.0, -4.0], np.float32), 25.0, True),
     "nan": (np.array([1.0, np.nan], np.float32), np.nan, False),
-    "inf": (np.array([1.0, np.inf], np.float32), np.inf, True),
-    "-inf": (np.array([[1.0], [-np.inf]], np.float32), np.inf, True),
-    "nan and inf": (np.array([np.inf, np.nan, 2.0], np.float32), np.nan, True),
+    "inf": (np.array([1.0, np.inf], np.float32), np.inf, False),
+    "-inf": (np.array([[1.0], [-np.inf]], np.float32), np.inf, False),
+    "nan and inf": (np.array([np.inf, np.nan, 2.0], np.float32), np.nan, False),
     "squares overflow": (np.array([2e19, 1.0], np.float32), np.inf, False),
-    "float16": (np.array([256.0, 2.0], np.float16), 65540.0, False),
-    "float16 inf": (np.array([65504.0, np.inf], np.float16), np.inf, True),
+    "float16": (np.array([256.0, 2.0], np.float16), 65540.0, True),
+    "float16 inf": (np.array([65504.0, np.inf], np.float16), np.inf, False),
     "bfloat16 nan": (np.array([0.5, np.nan], jnp.bfloat16), np.nan, False),
     "float8 nan": (np.array([448.0, np.nan], jnp.float8_e4m3fn), np.nan, False),
-    "float8 max": (np.array([448.0, 2.0], jnp.float8_e4m3fn), 200708.0, False),
+    "float8 max": (np.array([448.0, 2.0], jnp.float8_e4m3fn), 200708.0, True),
 }
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one pass", "two passes"])
+@pytest.mark.parametrize("form", [Form.CPU, Form.GPU], ids=lambda form: form.value)
 @pytest.mark.parametrize("name", CHECKED_PARTS)
-def test_square_sums_and_infs_tell_an_infinity_from_an_overflow(name, one_pass):
-    """Both formulations, jitted, give each part's sum (NaN for a NaN entry, +inf for an
-    infinity or finite squares that overflow) and its inf flag, set by an infinity alone."""
-    part, total, has_inf = CHECKED_PARTS[name]
-    totals, infs = jax.jit(lambda p: square_sums_and_infs([p], one_pass))(part)
-    assert totals[0].dtype == jnp.float32
-    np.testing.assert_array_equal(totals[0], np.float32(total))
-    assert bool(infs[0]) is has_inf
+def test_the_summary_tells_a_nan_from_an_infinity_or_an_overflow(name, form):
+    """Both forms, jitted, over a part alone and among others: the squared norm (NaN for a
+    NaN entry, +inf for an infinity or squares that overflow), not finite for either, and a
+    NaN flagged as such."""
+    part, total, finite = CHECKED_PARTS[name]
+    others = [device_array([1.0, 2.0]), device_array(np.ones((3, 2)), jnp.bfloat16)]
+    for tree in ([part], [part, *others]):
+        summary = jax.jit(lambda t: summarize_gradients(t, None, form=form))(tree)
+        extra = 0.0 if len(tree) == 1 else 11.0
+        assert summary.norm.dtype == jnp.float32
+        np.testing.assert_allclose(summary.norm**2, np.float32(total + extra), rtol=2e-7)
+        assert bool(summary.finite) is finite
+        assert bool(summary.has_nan) is bool(np.isnan(total))
 
 
-def test_one_pass_is_one_reduction_per_part_and_two_passes_two():
-    """Compiled for a CPU, one pass over three parts (a float32 matrix, a float16 vector, a
-    bfloat16 vector) is three reductions, each with the sum and the inf flag as results; two
-    passes, where leaves may be sharded, are six sums: three of squares, three counts of
-    infinities."""
+@pytest.mark.parametrize("form", [Form.CPU, Form.GPU], ids=lambda form: form.value)
+def test_one_reduction_per_part_over_rows_then_one_over_the_rows(form):
+    """Compiled for a CPU, each of three parts (a float32 matrix of 2048 entries, a float16
+    vector of 5000, small bfloat16 and float32 vectors joined) is summed over rows of 512, in
+    a reduction of two results (the sum and an infinity flag) in the CPU form and a plain sum
+    in the GPU form (the small ones' single row added in with the others); then one more sum
+    over all the rows' sums."""
     parts = [
         device_array(np.ones((64, 32))),
-        device_array(np.ones(100), jnp.float16),
+        device_array(np.ones(5000), jnp.float16),
         device_array(np.ones(7), jnp.bfloat16),
+        device_array(np.ones(9)),
     ]
+    text = jax.jit(lambda p: summarize_gradients(p, None, form=form)).lower(parts).compile()
+    rows = ["f32[4]{0}", "f32[10]{0}"]  # the small ones' one row XLA adds in with the rest
+    if form is Form.CPU:
+        rows = [f"({row}, pred[{row[4:-4]}]{{0}})" for row in rows]
+    assert sorted(compiled_reductions(text.as_text())) == sorted([*rows, "f32[]"])
 
-    def reductions(one_pass):
-        text = jax.jit(lambda p: square_sums_and_infs(p, one_pass)).lower(parts).compile()
-        return compiled_reductions(text.as_text())
 
-    assert reductions(True) == ["(f32[], pred[])"] * 3
-    assert reductions(False) == ["f32[]"] * 6
+def test_the_norm_of_a_large_leaf_is_within_1e_6_of_the_exact_one():
+    """DESIGN 3.1: row sums, not one long float32 accumulation (which drifted by 1e-4 at this
+    size on the CPU), in both forms."""
+    rng = np.random.default_rng(5)
+    leaf = (rng.standard_normal(2**24 + 3) * 3).astype(np.float32)
+    exact = np.sqrt(np.sum(leaf.astype(np.float64) ** 2))
+    for form in (Form.CPU, Form.GPU):
+        norm = jax.jit(lambda x, form=form: summarize_gradients([x], None, form=form).norm)(leaf)
+        np.testing.assert_allclose(float(norm), exact, rtol=1e-6)
 
 
 def _in_jit(leaf) -> bool:
@@ -555,7 +574,7 @@ def test_under_shard_map_small_leaves_join_by_the_axes_they_vary_over(mesh):
 
     def check(shard, whole):
         parts = floating_parts({"rows": shard, "same": whole})
-        return len(parts), check_gradients({"rows": shard, "same": whole}, "d").norm
+        return len(parts), summarize_gradients({"rows": shard, "same": whole}, "d").norm
 
     sharded = jax.device_put(rows, NamedSharding(mesh, P("d")))
     count, norm = jax.shard_map(check, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())(
@@ -573,11 +592,11 @@ def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
     host = np.arange(64, dtype=np.float32).reshape(8, 8) / 8
     if bad is not None:
         host[5, 3] = bad
-    expected = check_gradients({"g": jnp.asarray(host)}, None)
+    expected = summarize_gradients({"g": jnp.asarray(host)}, None)
     mesh = jax.make_mesh((N_DEVICES,), ("d",))
     sharded = jax.device_put(host, NamedSharding(mesh, P("d")))
-    spmd = jax.jit(lambda g: check_gradients({"g": g}, None))(sharded)
-    pmapped = jax.pmap(lambda g: check_gradients({"g": g}, "d"), axis_name="d")(host)
+    spmd = jax.jit(lambda g: summarize_gradients({"g": g}, None))(sharded)
+    pmapped = jax.pmap(lambda g: summarize_gradients({"g": g}, "d"), axis_name="d")(host)
     has_nan = bad is not None and bool(np.isnan(bad))
     for result in (expected, spmd, *(jax.tree.map(lambda x, i=i: x[i], pmapped) for i in range(8))):
         assert bool(result.finite) is (bad is None)
@@ -587,7 +606,7 @@ def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
         np.testing.assert_allclose(spmd.norm, np.linalg.norm(host), rtol=1e-6)
 
 
-def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
+def test_small_leaves_are_reduced_in_groups_whatever_their_dtypes():
     tree = {
         "a": device_array(np.ones(3000)),
         "b": device_array(np.ones(3000)),
@@ -596,41 +615,38 @@ def test_floating_parts_join_small_leaves_by_dtype_within_the_group_size():
         "e": device_array(np.ones(2), jnp.complex64),  # its real and imaginary parts, as float32
         "i": device_array(np.ones(3), jnp.int32),  # not floating: left out
     }
-    assert (SMALL_PART, GROUP_SIZE) == (4096, 65536)
-    parts = floating_parts(tree, join_small=True)
-    shapes = sorted((str(part.dtype), part.shape) for part in parts)
-    assert shapes == [("bfloat16", (400,)), ("float32", (5000,)), ("float32", (6004,))]
-    apart = floating_parts(tree, join_small=False)
-    assert [part.shape for part in apart] == [(3000,), (3000,), (40, 10), (5000,), (2,), (2,)]
+    assert SMALL_PART == 4096
+    parts = floating_parts(tree)
+    assert [part.shape for part in parts] == [(3000,), (3000,), (40, 10), (5000,), (2,), (2,)]
+    groups = reduction_groups(parts)
+    assert [[part.shape for part in group] for group in groups] == [
+        [(3000,), (3000,), (40, 10), (2,), (2,)],
+        [(5000,)],
+    ]
 
 
-def test_floating_parts_start_a_new_group_past_the_group_size():
-    tree = [device_array(np.ones(4000)) for _ in range(40)]  # 160,000 entries
-    sizes = [part.size for part in floating_parts(tree, join_small=True)]
-    assert sizes == [64000, 64000, 32000]
+def test_a_group_holds_at_most_group_leaves_leaves():
+    tree = [device_array(np.ones(40)) for _ in range(70)]
+    assert [len(group) for group in reduction_groups(floating_parts(tree))] == [32, 32, 6]
 
 
-@jax.jit
-def _finite_flags_and_square_sums(parts):
-    """Per part: whether the sum of `part - part` is finite, and the float32 sum of squares
-    (one program for all the parts, rather than a few for each)."""
-    flags = [jnp.isfinite(jnp.sum(part - part)) for part in parts]
-    return flags, [jnp.sum(jnp.square(part.astype(jnp.float32))) for part in parts]
-
-
-@pytest.mark.parametrize("join_small", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
-def test_sum_of_part_minus_part_is_finite_exactly_when_the_part_is(join_small, dtype):
+def test_a_bad_entry_in_any_leaf_of_a_group_is_found(dtype):
+    """Leaves of 1, 7, 4096 and 5000 entries (the first three in one group, combined entry by
+    entry after padding): a NaN or an infinity in any of them is found by `all_finite` and by
+    the summary, and told apart."""
     rng = np.random.default_rng(1)
     leaves = [rng.normal(size=n).astype(np.float32) * 100 for n in (1, 7, 4096, 5000)]
+    check = jax.jit(lambda t: (jls.all_finite(t), summarize_gradients(t, None)))
     for index in range(len(leaves)):
         for value in (np.nan, np.inf, -np.inf):
             bad = [leaf.copy() for leaf in leaves]
             bad[index][-1] = value
-            parts = floating_parts([device_array(x, dtype) for x in bad], join_small=join_small)
-            flags, squares = _finite_flags_and_square_sums(parts)
-            assert not all(bool(flag) for flag in flags), (index, value)
+            finite_, summary = check([device_array(x, dtype) for x in bad])
+            assert not bool(finite_), (index, value)
+            assert not bool(summary.finite), (index, value)
             has_nan = bool(np.isnan(np.asarray(value, dtype)))  # e4m3fn has no inf: NaN
-            assert any(bool(np.isnan(s)) for s in squares) is has_nan
-    parts = floating_parts([device_array(x, dtype) for x in leaves], join_small=join_small)
-    assert all(bool(flag) for flag in _finite_flags_and_square_sums(parts)[0])
+            assert bool(summary.has_nan) is has_nan
+    finite_, summary = check([device_array(x, dtype) for x in leaves])
+    assert bool(finite_)
+    assert bool(summary.finite)

@@ -1,10 +1,9 @@
-"""The forms a GPU program takes (`_numerics.on_gpu`), run on the CPU.
+"""The two forms of `_platforms`, run on the CPU: the GPU's decides and computes what the
+CPU's does.
 
-On a GPU the check is a plain sum of squares over rows, then over the rows' sums
-(`_numerics.square_sum`), and every skip is made by selects; elsewhere the program is the one
-it was. `jax.lax.platform_dependent` lowers only the form of the platform it lowers for, so
-here the GPU forms are taken by replacing `on_gpu` with a choice of the GPU form: the steps
-below then run on this CPU what an H100 runs (its program: tests/test_gpu_program.py).
+`jax.lax.platform_dependent` lowers only the form of the platform lowered for; here each form
+is passed (`Form.CPU`, `Form.GPU`) to `_loss_scaled.in_form` or to the numerics, so the steps
+below run on this CPU what an H100 runs (its program: tests/test_gpu_program.py).
 """
 
 import jax
@@ -14,56 +13,34 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale import _branches, _loss_scaled, _numerics
+from jax_lossscale import _loss_scaled, _numerics, _platforms
+from jax_lossscale._platforms import Form
 
 from helpers import assert_bits_equal, compiled_reductions, device_array
 
-
-def _gpu_form(gpu, other, *args):
-    del other
-    return gpu(*args)
+FORMS = (Form.CPU, Form.GPU)
 
 
-def _take_the_gpu_form(patch: pytest.MonkeyPatch) -> None:
-    for module in (_numerics, _branches, _loss_scaled):
-        patch.setattr(module, "on_gpu", _gpu_form)
-
-
-def in_the_gpu_form(run, *args):
-    """`run(*args)` with every choice of form taking the GPU's."""
-    with pytest.MonkeyPatch.context() as patch:
-        _take_the_gpu_form(patch)
-        return run(*args)
-
-
-@pytest.fixture
-def on_a_gpu(monkeypatch):
-    _take_the_gpu_form(monkeypatch)
-
-
-def test_square_sum_is_the_squared_norm_and_keeps_nan_and_inf():
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.value)
+def test_row_sums_are_the_sums_of_the_rows_in_both_forms(form):
     rng = np.random.default_rng(0)
-    large = rng.standard_normal(5000).astype(np.float32)  # 10 rows of 512, the last padded
-    small = np.array([3.0, 4.0], np.float32)
-    total = _numerics.square_sum([jnp.asarray(large), jnp.asarray(small)])
-    expected = np.sum(large.astype(np.float64) ** 2) + 25.0
-    np.testing.assert_allclose(float(total), expected, rtol=1e-6)
-    factor = jnp.float32(0.5)
-    assert float(_numerics.square_sum([jnp.asarray(small)], factor)) == 6.25
-    for values, expected_kind in [
-        ([1.0, np.nan], "nan"),
-        ([np.inf, np.nan], "nan"),  # an infinity never hides a NaN
-        ([-np.inf, 1.0], "inf"),
-        ([2e19, 1.0], "inf"),  # a square that overflows float32: counted as an overflow
-        ([1e19, 0.0], "finite"),  # its square, 1e38, is below 3.4e38
-    ]:
-        leaf = device_array(values + [0.0] * 600)  # over a row
-        total = float(_numerics.square_sum([leaf, jnp.ones(3)]))
-        kind = "nan" if np.isnan(total) else "inf" if np.isinf(total) else "finite"
-        assert kind == expected_kind, values
+    squares = rng.standard_normal(5000).astype(np.float32) ** 2  # 10 rows of 512, one padded
+    sums = jax.jit(_platforms.row_sums, static_argnums=1)(jnp.asarray(squares), form)
+    expected = np.add.reduceat(np.pad(squares, (0, 120)).astype(np.float64), range(0, 5120, 512))
+    np.testing.assert_allclose(np.asarray(sums), expected, rtol=1e-6)
+    for values, kind in [([1.0, np.nan], "nan"), ([np.inf, np.nan], "nan"), ([np.inf, 1.0], "inf")]:
+        row = jax.jit(_platforms.row_sums, static_argnums=1)(
+            device_array(values + [0.0] * 600), form
+        )
+        got = "nan" if np.isnan(row[0]) else "inf" if np.isinf(row[0]) else "finite"
+        assert got == kind, values
 
 
-def test_the_gpu_check_agrees_with_the_exact_one_except_on_an_overflowing_square(on_a_gpu):
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.value)
+def test_the_check_decides_alike_in_both_forms_an_overflowing_square_included(form):
+    """NaN, an infinity, and a finite entry whose square overflows float32 (2e19): not finite
+    in both forms (DESIGN 3.1: the wrapper's check counts a squared norm that overflows); a
+    1e19 entry, whose square 1e38 does not, finite. `all_finite` stays exact."""
     rng = np.random.default_rng(1)
     tree = {
         "w": jnp.asarray(rng.standard_normal((40, 30)), jnp.float32),
@@ -71,23 +48,31 @@ def test_the_gpu_check_agrees_with_the_exact_one_except_on_an_overflowing_square
     }
     scale = jnp.float32(2.0**10)
     scaled = jax.tree.map(lambda x: x * scale.astype(x.dtype), tree)
-    check = jax.jit(_numerics.check_gradients, static_argnums=1)(scaled, None, scale)
+
+    @jax.jit
+    def summary(tree):
+        factors = _platforms.reciprocal_factors(scale, form)
+        return _numerics.summarize_gradients(tree, None, factors, form)
+
     exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in tree.values()))
-    np.testing.assert_allclose(float(check.norm), exact, rtol=1e-5)
-    assert bool(check.finite)
-    assert not bool(check.has_nan)
-    for value, finite, has_nan in [(np.nan, False, True), (np.inf, False, False)]:
-        bad = {**tree, "w": tree["w"].at[3, 4].set(value)}
-        check = _numerics.check_gradients(bad, None)
+    np.testing.assert_allclose(float(summary(scaled).norm), exact, rtol=1e-6)
+    for value, finite, has_nan in [
+        (np.nan, False, True),
+        (np.inf, False, False),
+        (2e19 * 2.0**10, False, False),
+        (1e19 * 2.0**10, True, False),
+    ]:
+        bad = {**scaled, "w": scaled["w"].at[3, 4].set(value)}
+        check = summary(bad)
         assert (bool(check.finite), bool(check.has_nan)) == (finite, has_nan), value
-    # 2e19 is finite: all_finite says so, exactly; the GPU check counts its square's overflow.
     overflowing = {**tree, "w": tree["w"].at[0, 0].set(2e19)}
-    assert not bool(_numerics.check_gradients(overflowing, None).finite)
     assert bool(jls.all_finite(overflowing))
 
 
-def _adam_run(grads_per_step):
-    tx = jls.loss_scaled(optax.adam(1e-2), jls.DynamicLossScale(initial_loss_scale=2.0**4))
+def _adam_run(form, grads_per_step):
+    tx = _loss_scaled.in_form(
+        form, optax.adam(1e-2), jls.DynamicLossScale(initial_loss_scale=2.0**4)
+    )
 
     @jax.jit
     def step(params, state, grads):
@@ -109,12 +94,12 @@ def _adam_grads():
     return [grads, bad, grads]
 
 
-def test_adam_on_a_gpu_skips_by_selects_bit_for_bit_as_the_cond_does(on_a_gpu):
+def test_adam_on_a_gpu_skips_by_selects_bit_for_bit_as_the_cond_does():
     """The GPU form of the adam step: no `conditional` and no variadic reduction in its
     program, and the same params, inner state, scale and counts, bit for bit, as the CPU's
     `cond` on a finite, a non-finite (inf and NaN) and a finite step; the skipped step's
     updates are -0.0."""
-    gpu_history, step = _adam_run(_adam_grads())
+    gpu_history, step = _adam_run(Form.GPU, _adam_grads())
     args = (*jax.tree.map(jnp.asarray, gpu_history[0][:2]), _adam_grads()[0])
     text = step.lower(*args).compile().as_text()
     assert "conditional(" not in text
@@ -132,10 +117,10 @@ def test_adam_on_a_gpu_gives_what_the_cpu_form_gives():
     """The same steps on the CPU's own form (a `cond`, in its program): the same decisions,
     scale and counts exactly, and the same params and moments to float32 rounding (the two
     programs are fused differently)."""
-    cpu_history, step = _adam_run(_adam_grads())
+    cpu_history, step = _adam_run(Form.CPU, _adam_grads())
     args = (*jax.tree.map(jnp.asarray, cpu_history[0][:2]), _adam_grads()[0])
     assert "conditional(" in step.lower(*args).compile().as_text()
-    gpu_history, _ = in_the_gpu_form(_adam_run, _adam_grads())
+    gpu_history, _ = _adam_run(Form.GPU, _adam_grads())
     for cpu, gpu in zip(cpu_history, gpu_history, strict=True):
         assert_bits_equal(gpu[1].loss_scale_state, cpu[1].loss_scale_state)
         assert_bits_equal(gpu[1].stats[1:], cpu[1].stats[1:])  # after grad_norm
@@ -143,16 +128,22 @@ def test_adam_on_a_gpu_gives_what_the_cpu_form_gives():
             np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-6, atol=1e-9)
 
 
-def test_the_reciprocal_factors_on_a_gpu_are_the_cpu_ones_bit_for_bit(on_a_gpu):
+def test_the_reciprocal_factors_on_a_gpu_are_the_cpu_ones_bit_for_bit():
     divisors = np.array([1.0, 3.0, 0.7, 2.0**-10, 2.0**15, 1e38, 2.0**127, 3.4e38], np.float32)
     cpu = [(1 / np.minimum(d, np.float32(2.0**126)), np.minimum(d, 2.0**126) / d) for d in divisors]
-    gpu = jax.jit(jax.vmap(_numerics.reciprocal_factors))(jnp.asarray(divisors))
+    gpu = jax.jit(jax.vmap(lambda d: _platforms.reciprocal_factors(d, Form.GPU)))(
+        jnp.asarray(divisors)
+    )
+    apart = jax.jit(jax.vmap(lambda d: _platforms.reciprocal_factors(d, Form.CPU)))(
+        jnp.asarray(divisors)
+    )
+    assert_bits_equal(gpu, apart)
     assert_bits_equal(gpu[0], np.array([r for r, _ in cpu], np.float32))
     assert_bits_equal(gpu[1], np.array([c for _, c in cpu], np.float32))
     assert float(gpu[1][-2]) == 0.5  # 2**127: bounded at 2**126, then corrected by a half
 
 
-def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gpu):
+def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types():
     """Every 32-bit scalar goes through the stacked bits and comes back bit for bit (a NaN's
     payload, -0.0, a subnormal, a negative count); everything else is left as it was."""
     nan_with_payload = np.array(0x7FC01234, np.uint32).view(np.float32)
@@ -169,7 +160,8 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gp
         "key": jax.random.key(0),
         "none": None,
     }
-    out = jax.jit(_numerics.scalars_written_together)(tree)
+    written_together = jax.jit(lambda tree: _platforms.scalars_written_together(tree, Form.GPU))
+    out = written_together(tree)
     assert jax.tree.structure(out) == jax.tree.structure(tree)
     for name, leaf in tree.items():
         if leaf is not None:
@@ -178,12 +170,12 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types(on_a_gp
             if name == "key":
                 got, expected = jax.random.key_data(got), jax.random.key_data(expected)
             assert_bits_equal(got, expected)
-    jaxpr = jax.make_jaxpr(_numerics.scalars_written_together)(tree)
+    jaxpr = jax.make_jaxpr(lambda tree: _platforms.scalars_written_together(tree, Form.GPU))(tree)
     [stacked] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
     assert stacked.outvars[0].aval.shape == (5,)  # scale, nan, tiny, count, bits
 
 
-def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes(on_a_gpu):
+def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes():
     """Inside `shard_map`, a scalar that varies over the devices and one that does not are
     stacked apart, and each comes back with its own type."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
@@ -191,7 +183,7 @@ def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes(on
     def body(x):
         varying = jnp.sum(x).astype(jnp.int32)
         tree = {"a": jnp.float32(1.5), "b": jnp.int32(4), "c": varying, "d": varying * 2}
-        out = _numerics.scalars_written_together(tree)
+        out = _platforms.scalars_written_together(tree, Form.GPU)
         for name in tree:
             assert jax.typeof(out[name]) == jax.typeof(tree[name]), name
         return jnp.stack([out["a"].astype(jnp.int32), out["b"], out["c"], out["d"]])[None]
@@ -201,11 +193,12 @@ def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes(on
     np.testing.assert_array_equal(result, [[1, 4, 1, 2], [1, 4, 5, 10]])
 
 
-def _pmapped_spike_run():
+def _pmapped_spike_run(form):
     """A pmap'ed adamw step over 2 devices, with spike skipping (the loss passed as `value`):
     finite steps, a NaN on one device, more finite steps (the windows fill), then a finite
     spike of 100x the norm and the loss."""
-    tx = jls.loss_scaled(
+    tx = _loss_scaled.in_form(
+        form,
         optax.adamw(1e-2),
         jls.DynamicLossScale(initial_loss_scale=2.0**4, increment_period=3),
         axis_name="d",
@@ -239,8 +232,8 @@ def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_fo
     """The GPU form under `pmap` with spike skipping and adamw: the same decisions, scales,
     counts and window positions as the CPU form on every step, both devices agreeing; the
     norms, windows and params to float32 rounding (the norm is summed in another order)."""
-    cpu = _pmapped_spike_run()
-    gpu = in_the_gpu_form(_pmapped_spike_run)
+    cpu = _pmapped_spike_run(Form.CPU)
+    gpu = _pmapped_spike_run(Form.GPU)
     applied = [bool(state.stats.last_step_applied[0]) for _, state in gpu]
     assert applied == [True] * 5 + [False] + [True] * 5 + [False]
     last = gpu[-1][1].stats
@@ -257,11 +250,12 @@ def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_fo
             np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-5, atol=1e-7)
 
 
-def _bf16_kahan_run(steps=200):
+def _bf16_kahan_run(form, steps=200):
     """bfloat16 params under `loss_scaled(chain(adamw, kahan_summation()))`, the step jitted
     with params and state donated, the scale given as a jnp array; a NaN batch every 50th
     step. Returns the params and state after each step, and the params before each NaN step."""
-    tx = jls.loss_scaled(
+    tx = _loss_scaled.in_form(
+        form,
         optax.chain(optax.adamw(1e-3), jls.kahan_summation()),
         jls.DynamicLossScale(initial_loss_scale=jnp.float32(2.0**10), increment_period=20),
     )
@@ -299,8 +293,8 @@ def test_bfloat16_weights_with_kahan_summation_on_a_gpu_over_200_donated_steps()
     """The GPU form with bfloat16 weights inside `loss_scaled`: every NaN batch skipped with
     the weights kept bit for bit, and the CPU form's decisions, scales and counts exactly;
     the weights and their float32 buffers to within one bfloat16 rounding."""
-    cpu = _bf16_kahan_run()
-    gpu = in_the_gpu_form(_bf16_kahan_run)
+    cpu = _bf16_kahan_run(Form.CPU)
+    gpu = _bf16_kahan_run(Form.GPU)
     params, state, decisions, scales, kept = gpu
     assert decisions == cpu[2]
     assert [index for index, applied in enumerate(decisions) if not applied] == [49, 99, 149, 199]

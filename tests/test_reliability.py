@@ -295,14 +295,16 @@ FLOAT64_SCRIPT = textwrap.dedent(
     ls = jls.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
     tx = jls.loss_scaled(inner, ls)
     params = {"b": jnp.array(0.5), "w": jnp.array([1.0, 2.0, 3.0])}
-    true_grads = {"b": jnp.array(1.0 + 2.0**-40), "w": jnp.array([0.1, 1e-300, 1e100])}
+    true_grads = {"b": jnp.array(1.0 + 2.0**-40), "w": jnp.array([0.1, 1e-300, 1e15])}
     opt_state, ref_state = tx.init(params), inner.init(params)
     update = jax.jit(tx.update)
     steps = []
-    for kind in ["finite", "finite", "nan", "inf", "finite"]:
+    for kind in ["finite", "finite", "nan", "inf", "finite", "overflow"]:
         scale = jls.get_loss_scale(opt_state)
         scaled = jax.tree.map(lambda g: g * scale.astype(g.dtype), true_grads)
-        if kind != "finite":
+        if kind == "overflow":  # finite, but its square overflows float32 (DESIGN 3.1)
+            scaled["w"] = scaled["w"].at[1].set(1e100)
+        elif kind != "finite":
             scaled["w"] = scaled["w"].at[1].set(float(kind))
         updates, opt_state = update(scaled, opt_state, params)
         stats = jls.get_loss_scale_stats(opt_state)
@@ -355,13 +357,16 @@ def test_float64_gradients_with_x64_in_a_subprocess():
         assert step["ls_state_dtypes"] == ["float32", "int32", "int32"]
         assert step["inner_dtypes"] == ["float64"]
     # (scale, grad_norm, skipped, nan, inf, spike, consecutive, applied); the norm is a
-    # float32, where that of a float64 gradient holding 1e100 is +inf.
+    # float32: 1e15 here, and +inf for a finite float64 gradient of 1e100, whose square
+    # overflows float32, which counts as an overflow.
+    norm = str(float(np.float32(1e15)))
     expected_stats = [
-        (1024.0, "inf", 0, 0, 0, 0, 0, True),
-        (2048.0, "inf", 0, 0, 0, 0, 0, True),
+        (1024.0, norm, 0, 0, 0, 0, 0, True),
+        (2048.0, norm, 0, 0, 0, 0, 0, True),
         (1024.0, "nan", 1, 1, 0, 0, 1, False),
         (512.0, "inf", 2, 1, 1, 0, 2, False),
-        (512.0, "inf", 2, 1, 1, 0, 0, True),
+        (512.0, norm, 2, 1, 1, 0, 0, True),
+        (256.0, "inf", 3, 1, 2, 0, 1, False),
     ]
     assert [
         tuple(str(value) if name == "grad_norm" else value for name, value in step["stats"].items())
@@ -369,8 +374,8 @@ def test_float64_gradients_with_x64_in_a_subprocess():
     ] == expected_stats
 
     # The first update is -0.5 * grads, exact in float64 only: 1e-300 and 2**-41 would
-    # vanish in float32 and 1e100 * 1024 would overflow it.
-    assert steps[0]["updates"] == {"b": -(0.5 + 2.0**-41), "w": [-0.05, -5e-301, -5e99]}
+    # vanish in float32.
+    assert steps[0]["updates"] == {"b": -(0.5 + 2.0**-41), "w": [-0.05, -5e-301, -5e14]}
     for step in steps:
         if step["ref_updates"] is None:
             assert all(

@@ -1,6 +1,6 @@
-"""Apply or skip (`_branches`): a skip by `cond` or by selects, bit for bit alike; inner states
-that change dtype across an update, joined into the
-dtype that holds the old and the new values exactly, as bare optax accepts them."""
+"""Apply or skip (`_skip`): a skip by `cond` or by selects, bit for bit alike; inner states
+that change dtype across an update, joined into the dtype that holds the old and the new
+values exactly, as bare optax accepts them, at init as on a skip."""
 
 import re
 
@@ -12,7 +12,13 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._branches import apply_or_skip, holds_exactly, skips_by_select
+from jax_lossscale._skip import (
+    Operands,
+    holds_exactly,
+    skip_by_cond,
+    skipped_by_selects,
+    skips_by_select,
+)
 
 from helpers import assert_bits_equal, device_array
 
@@ -248,21 +254,22 @@ def test_inner_states_no_larger_than_the_gradients_skip_by_selects(make_inner, b
 
 @pytest.mark.parametrize("make_inner", [v[0] for v in SKIP_FORMS.values()], ids=SKIP_FORMS.keys())
 def test_a_skip_by_selects_gives_the_bits_of_a_skip_by_cond(make_inner):
-    """`apply_or_skip` with `select=True` and with `select=False`, jitted, on an applied step,
-    a NaN step and an inf step: the same updates (-0.0 on a skip) and the same inner state
-    (the old one, bit for bit, on a skip)."""
+    """The two forms of the skip, selects and a `cond`, jitted, on an applied step, a NaN step
+    and an inf step: the same updates (-0.0 on a skip) and the same inner state (the old one,
+    bit for bit, on a skip)."""
     params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.full((3,), 0.5)}
     inner = make_inner()
     state = inner.update(params, inner.init(params), params)[1]  # momentum already nonzero
 
     @jax.jit
     def both(grads, apply):
-        def run(select):
-            return apply_or_skip(
-                apply, lambda: inner.update(grads, state, params), state, select=select
-            )
+        operands = Operands(grads, state, params, (jnp.float32(1), jnp.float32(1)), {})
 
-        return run(True), run(False)
+        def update(given):
+            return inner.update(given.scaled_grads, given.inner_state, given.params)
+
+        by_selects = skipped_by_selects(apply, *update(operands), state)
+        return by_selects, skip_by_cond(update, operands)(apply)
 
     finite = {"w": jnp.full((4, 3), 0.25), "b": jnp.full((3,), -2.0)}
     nan = {"w": finite["w"].at[1, 2].set(jnp.nan), "b": finite["b"]}

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
+from jax_lossscale import _loss_scaled
+from jax_lossscale._platforms import Form
 
 from helpers import ReferenceLossScale, assert_bits_equal, compiled_reductions, device_array, jitted
 
@@ -84,13 +86,21 @@ def test_grad_norm_is_zero_before_the_first_step_inf_after_an_overflow_nan_after
     np.testing.assert_array_equal(norms, [5.0, np.inf, np.inf, np.nan, 5.0])
 
 
-def test_grad_norm_of_finite_gradients_whose_squares_overflow_is_inf():
-    tx = jls.loss_scaled(optax.sgd(0.0), jls.DynamicLossScale(initial_loss_scale=1.0))
+def test_finite_gradients_whose_squared_norm_overflows_are_an_overflow():
+    """DESIGN 3.1: a squared norm above the float32 maximum (a norm above about 1.8e19) is
+    counted as an overflow: `grad_norm` inf, the step skipped as an inf skip, the scale
+    backing off; `all_finite` stays exact."""
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=2.0))
     params = {"w": jnp.zeros(2)}
-    _, opt_state = tx.update({"w": jnp.array([3e38, 1.0])}, tx.init(params), params)
+    grads = {"w": jnp.array([3e38, 1.0])}
+    updates, opt_state = tx.update(grads, tx.init(params), params)
     stats = jls.get_loss_scale_stats(opt_state)
-    assert bool(stats.last_step_applied)  # finite: applied
+    assert not bool(stats.last_step_applied)
     assert float(stats.grad_norm) == np.inf
+    assert (int(stats.inf_skipped_steps), float(stats.loss_scale)) == (1, 1.0)
+    assert np.all(np.signbit(updates["w"]))
+    assert not np.any(updates["w"])
+    assert bool(jls.all_finite(grads))
 
 
 def _global_gradient():
@@ -172,6 +182,55 @@ def test_pmap_shard_map_and_spmd_jit_agree_on_the_norm():
 
     for name, norm in norms.items():
         np.testing.assert_allclose(norm, expected, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("form", [Form.CPU, Form.GPU], ids=lambda form: form.value)
+def test_a_squared_norm_that_overflows_only_summed_over_devices_is_an_overflow_everywhere(form):
+    """DESIGN 3.1: one rule in every distribution mode and in both platforms' forms. A
+    gradient of one entry of 7e18 per device: each device's squares sum to 4.9e37, finite,
+    but the 8 devices' to 3.9e38, past the float32 maximum. On one device, under SPMD `jit`
+    with the rows sharded, under `shard_map` with each device holding its rows, and under
+    `pmap` with the per-device gradients averaged (each device then holds it whole): the
+    step is skipped as an overflow, `grad_norm` is inf and the scale halves."""
+    grads = {"w": np.zeros((NUM_DEVICES, 3), np.float32)}
+    grads["w"][:, 1] = 7e18
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    rows = PartitionSpec(AXIS)
+    params = jax.tree.map(np.zeros_like, grads)
+
+    def step(tx):
+        def update(params, opt_state, grads):
+            return tx.update(grads, opt_state, params)[1]
+
+        return update
+
+    def build(axis_name=None):
+        ls = jls.DynamicLossScale(initial_loss_scale=1.0, min_loss_scale=0.25)
+        return _loss_scaled.in_form(form, optax.adam(1e-3), ls, axis_name)
+
+    tx = build()
+    states = {"one device": jax.jit(step(tx))(params, tx.init(params), grads)}
+    placed = jax.device_put((params, grads), NamedSharding(mesh, rows))
+    states["spmd jit"] = jax.jit(step(tx))(placed[0], tx.init(placed[0]), placed[1])
+    tx = build(AXIS)
+    state_specs = jax.tree.map(lambda x: rows if np.ndim(x) else PartitionSpec(), tx.init(params))
+    sharded = jax.shard_map(
+        step(tx), mesh=mesh, in_specs=(rows, state_specs, rows), out_specs=state_specs
+    )
+    states["shard_map, sharded"] = jax.jit(sharded)(params, tx.init(params), grads)
+    replicate = lambda tree: jax.tree.map(lambda x: np.stack([x] * NUM_DEVICES), tree)  # noqa: E731
+    device_grads = {
+        "w": np.stack([grads["w"] * 2 * (i + 1) / (NUM_DEVICES + 1) for i in range(NUM_DEVICES)])
+    }
+    pmapped = jax.pmap(lambda p, s, g: step(tx)(p, s, jax.lax.pmean(g, AXIS)), axis_name=AXIS)
+    states["pmap, pmean"] = pmapped(replicate(params), replicate(tx.init(params)), device_grads)
+    for name, state in states.items():
+        stats = jls.get_loss_scale_stats(state)
+        assert np.all(np.asarray(stats.last_step_applied) == False), name  # noqa: E712
+        assert np.all(np.asarray(stats.inf_skipped_steps) == 1), name
+        assert np.all(np.isposinf(np.asarray(stats.grad_norm))), name
+        assert np.all(np.asarray(stats.loss_scale) == 0.5), name
+    assert bool(jls.all_finite(grads))  # exact per entry: finite
 
 
 # --- 2. skipping spikes ---------------------------------------------------------------------
@@ -472,27 +531,28 @@ def _reductions(compiled_text: str) -> int:
     return len(compiled_reductions(compiled_text))
 
 
-# Where the gradients are, and the reductions per leaf: one on one device (of the 8 this
-# process has); two where the leaves may be sharded (placed on a mesh of the 8 devices
-# whose axis XLA's partitioner may split them along), the NaN flag's sum beside the check's.
+# Where the gradients are, and the reductions besides one a leaf: on one device (of the 8
+# this process has), each leaf is summed over rows, then all the rows' sums in one more;
+# where the leaves may be sharded (placed on a mesh of the 8 devices whose axis XLA's
+# partitioner may split them along), each in one plain sum, which the partitioner
+# all-reduces, and the six sums are added up.
 NORM_PLACEMENTS = {
     "one device": (lambda tree: jax.device_put(tree, jax.devices()[5]), 1),
     "on a mesh of 8 devices": (
         lambda tree: jax.device_put(
             tree, NamedSharding(Mesh(np.array(jax.devices()), (AXIS,)), PartitionSpec())
         ),
-        2,
+        0,
     ),
 }
 
 
 @pytest.mark.parametrize("placement", NORM_PLACEMENTS)
 def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
-    """One reduction per leaf checks the gradients, gives their norm and, on one device,
-    whether the leaf holds a NaN. Where a leaf may be sharded over devices, the NaN flag has
-    a reduction of its own per leaf (under `pmap` it has none: tests/test_lowering.py). The
-    windows' statistics add four."""
-    place, per_leaf = NORM_PLACEMENTS[placement]
+    """One reduction per leaf and one over their sums check the gradients and give their
+    norm and whether they hold a NaN, wherever they are (under `pmap` too:
+    tests/test_lowering.py). The windows' statistics add four."""
+    place, extra = NORM_PLACEMENTS[placement]
     leaves = 6
     params = place({f"l{i}": np.ones((5000 + i,), np.float32) for i in range(leaves)})
     counts = {}
@@ -505,7 +565,7 @@ def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
         lowered = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, value=1.0))
         text = lowered.lower(params, tx.init(params), params).compile().as_text()
         counts[name] = _reductions(text)
-    n = per_leaf * leaves
+    n = leaves + extra
     assert counts == {"off": n, "bound": n, "window": n + 4}
 
 

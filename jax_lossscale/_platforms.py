@@ -1,0 +1,154 @@
+"""The formulations that XLA:CPU and XLA:GPU want differently, and the one choice between them.
+
+Both forms compute the same values and decide the same steps; they differ in the operations
+XLA gets, measured on each (docs/design.md):
+
+* the sums of squares of the gradient check: a reduction of two results (the sum and an
+  infinity flag) on the CPU, where XLA compiles it into one loop over the entries while it
+  rewrites a plain float sum into a tree of smaller reductions with the squares written out
+  first (3x to 8x slower); plain sums on a GPU, where XLA splits a reduction of two results
+  into two kernels that fuse with nothing;
+* the skip of a step whose inner state is larger than the gradients (adam's): a `lax.cond` on
+  the CPU and on TPUs, which runs the update only when it is applied, and selects on a GPU,
+  where a conditional makes the host wait for the device at every step.
+
+`Form.LOWERED`, what `loss_scaled` uses, takes the form of the platform the step is lowered
+for (`jax.lax.platform_dependent`: the lowering keeps the chosen form alone); tests pass
+`Form.CPU` or `Form.GPU` to run either form on any platform.
+"""
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._axes import varying_axes
+
+
+class Form(enum.Enum):
+    """Which formulations a step takes: those of the platform it is lowered for, or one
+    platform's whatever the platform."""
+
+    LOWERED = "lowered"
+    CPU = "cpu"  # and TPU: every platform but a GPU
+    GPU = "gpu"
+
+
+def chosen(form: Form, gpu: Callable[..., Any], other: Callable[..., Any], *args: Any) -> Any:
+    """`gpu(*args)` in the GPU form, `other(*args)` in the CPU form, and for `Form.LOWERED`
+    the one of the platform lowered for (CUDA and ROCm take `gpu`)."""
+    if form is Form.GPU:
+        return gpu(*args)
+    if form is Form.CPU:
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=other)
+
+
+def reciprocal_factors(divisor: jax.Array, form: Form) -> tuple[jax.Array, jax.Array]:
+    """Two float32 factors whose product is `1 / divisor`, neither of them subnormal (which
+    XLA flushes to zero on some backends): the first is `1 / min(divisor, 2**126)`, the
+    second 1.0 unless `divisor` exceeds 2**126.
+
+    On a GPU both come from one division of pairs: the kernels that read them (every leaf's
+    unscaling and check) then share an operand of two entries, and XLA:GPU merges kernels
+    that share one, where it merges none that share scalars only. Elsewhere each kernel
+    would only slice them out again.
+    """
+    divisor = divisor.astype(jnp.float32)
+    bounded = jnp.minimum(divisor, np.float32(2.0**126))
+
+    def paired() -> tuple[jax.Array, jax.Array]:
+        factors = jnp.stack([jnp.ones_like(bounded), bounded]) / jnp.stack([bounded, divisor])
+        return factors[0], factors[1]
+
+    def apart() -> tuple[jax.Array, jax.Array]:
+        return 1 / bounded, bounded / divisor
+
+    factors: tuple[jax.Array, jax.Array] = chosen(form, paired, apart)
+    return factors
+
+
+ROW = 512  # entries: squares are summed over rows of this many first
+
+
+def row_sums(squares: jax.Array, form: Form) -> jax.Array:
+    """The sums of `squares` (float32 or wider, >= 0, +inf or NaN) over rows of `ROW` entries,
+    the last padded with zeros: a vector of one sum for `ROW` entries or fewer.
+
+    Summed over rows and then over the rows' sums, the squared norm of a leaf of any size is
+    within about 1e-7 of the exact one, where one long float32 accumulation drifts by 1e-4
+    at 2e7 entries.
+    """
+    if squares.size > ROW:
+        squares = jnp.pad(squares, (0, -squares.size % ROW)).reshape(-1, ROW)
+    else:
+        squares = squares.reshape(1, -1)
+    sums: jax.Array = chosen(form, _plain_row_sums, _row_sums_and_infinities, squares)
+    return sums
+
+
+def _plain_row_sums(squares: jax.Array) -> jax.Array:
+    return jnp.sum(squares, axis=1)
+
+
+def _row_sums_and_infinities(squares: jax.Array) -> jax.Array:
+    # The flag adds nothing (an infinity makes its row's sum infinite, a NaN NaN), but read,
+    # it keeps the reduction of two results that XLA:CPU compiles into one loop.
+    squares = jax.lax.stop_gradient(squares)  # a reduction of two results has no derivative
+    sums, infinite = jax.lax.reduce(
+        (squares, squares == np.inf),
+        (np.zeros((), squares.dtype), np.bool_(False)),
+        _add_and_or,
+        (1,),
+    )
+    with_infinities: jax.Array = sums + jnp.where(infinite, np.asarray(np.inf, sums.dtype), 0)
+    return with_infinities
+
+
+def _add_and_or(
+    left: tuple[jax.Array, jax.Array], right: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    return left[0] + right[0], left[1] | right[1]
+
+
+def scalars_written_together(tree: Any, form: Form) -> Any:
+    """`tree`, whose 32-bit scalar leaves a GPU writes in one kernel (elsewhere, `tree`).
+
+    XLA:GPU launches a kernel for each small computation of a scalar (a counter, the scale,
+    a select between old and new) that no larger kernel takes in, since it merges no kernels
+    over scalar operands. So the scalars' bits are stacked into one vector (one kernel
+    computes them all), which a barrier keeps XLA from taking apart again, and each is read
+    back out with `max(b, b >> 1)`, which is `b` for unsigned bits but is an elementwise
+    operation, so that XLA writes them all in one more kernel. Weakly typed leaves stay out,
+    since the bits come back strong, and so do PRNG keys. Other platforms gain nothing from
+    it and compile it: there `tree` comes back as it is.
+    """
+    return chosen(form, _written_together, lambda tree: tree, tree)
+
+
+def _written_together(tree: Any) -> Any:
+    leaves, structure = jax.tree.flatten(tree)
+    groups: dict[Any, list[int]] = {}  # by the mapped axes a value varies over (shard_map)
+    for index, leaf in enumerate(leaves):
+        aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
+        if (
+            aval is not None
+            and aval.ndim == 0
+            and aval.dtype.itemsize == 4
+            and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
+            and not aval.weak_type
+        ):
+            groups.setdefault(varying_axes(leaf), []).append(index)
+    for chosen in groups.values():
+        if len(chosen) < 2:
+            continue
+        bits = jax.lax.optimization_barrier(
+            jnp.stack([jax.lax.bitcast_convert_type(leaves[i], jnp.uint32) for i in chosen])
+        )
+        for position, index in enumerate(chosen):
+            read = jnp.maximum(bits[position], bits[position] >> np.uint32(1))
+            leaves[index] = jax.lax.bitcast_convert_type(read, leaves[index].dtype)
+    return jax.tree.unflatten(structure, leaves)

@@ -1,0 +1,166 @@
+"""Rounding float32 values to bfloat16 or float16: stochastically, to nearest with the
+remainder kept, and the float32 update that lands a weight on the value chosen.
+
+The rounding is written out in integer and float32 operations rather than left to casts:
+XLA may drop a float32 -> bfloat16 -> float32 pair of casts and keep the float32 value (its
+GPU compiler does, with `xla_allow_excess_precision` on by default).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_BF16 = jnp.dtype(jnp.bfloat16)
+_TWO_TO_32 = float(2**32)
+
+
+def add_in_float32(
+    param: jax.Array, low: jax.Array, update: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The bfloat16 weight and int16 buffer of `(param, low) + update`, added in float32.
+
+    `param`'s 16 bits followed by `low` as an offset of the bit pattern are the float32
+    value x they were cut from; x + update is rounded to the nearest bfloat16 with ties
+    away from zero (a carry of half a gap), so that the pattern offset the rounding leaves
+    lies in [-2**15, 2**15) and fits int16 exactly. A weight that is zero keeps no negative
+    offset (it was set from outside: zero is where the offset from a rounding is
+    non-negative), and a non-finite weight or sum keeps none.
+    """
+    high = lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    offset = low.astype(jnp.int32)
+    offset = jnp.where((offset < 0) & ((high & jnp.uint32(0x7FFFFFFF)) == 0), 0, offset)
+    value = lax.bitcast_convert_type(
+        high + lax.bitcast_convert_type(offset, jnp.uint32), jnp.float32
+    )
+    value = jnp.where(jnp.isfinite(param), value, _float32(param))
+    total = value + update
+    rounded = round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
+    cut = lax.bitcast_convert_type(rounded, jnp.uint16).astype(jnp.uint32) << 16
+    kept = lax.bitcast_convert_type(lax.bitcast_convert_type(total, jnp.uint32) - cut, jnp.int32)
+    kept = jnp.where(jnp.isfinite(rounded), kept, 0)
+    return rounded, kept.astype(jnp.int16)
+
+
+def add_compensated(
+    param: jax.Array, buffer: jax.Array, update: jax.Array, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The weight of `dtype` nearest to param + (update + buffer), and what it dropped (in
+    the buffer's dtype). An empty buffer (zero) adds nothing, not even a sign: a -0.0
+    update keeps a -0.0 weight as `optax.apply_updates` does."""
+    compensation = _float32(buffer)
+    corrected = jnp.where(compensation == 0, update, update + compensation)
+    total = _float32(param) + corrected
+    nearest = round_to_nearest(total, dtype)
+    kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
+    return nearest.astype(dtype), kept.astype(buffer.dtype)
+
+
+def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`."""
+    dtype = jnp.dtype(dtype)
+    if dtype == _BF16:
+        return round_bfloat16(x, bits16(key, jnp.shape(x)))
+    bits = jax.random.bits(key, jnp.shape(x), jnp.uint32)
+    return round_float16(x, bits)
+
+
+def bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint16 draws of `shape`: both halves of half as many 32-bit words, drawn
+    along the last axis (so that a leaf sharded along another axis draws its own words)."""
+    if not shape:
+        return jax.random.bits(key, (), jnp.uint32).astype(jnp.uint16)
+    *rows, length = shape
+    words = jax.random.bits(key, (*rows, (length + 1) // 2), jnp.uint32)
+    halves = jnp.stack([words & jnp.uint32(0xFFFF), words >> 16], axis=-1).astype(jnp.uint16)
+    return halves.reshape(*rows, -1)[..., :length]
+
+
+def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """`x` (float32) to bfloat16, up in magnitude where `bits` (uint16) carry into bit 16.
+
+    bfloat16 is float32 cut to its upper 16 bits, and the bit patterns of float32 count
+    up with the magnitude, subnormals and powers of two included. Adding a uniform 16-bit
+    integer r to the pattern and cutting carries the magnitude up exactly when r >= 2**16
+    minus the 16 dropped bits: with probability (dropped bits) / 2**16, the distance
+    from the neighbour toward zero over the gap, for either sign. The largest finite
+    magnitude carries into the pattern of infinity; NaN is kept as it is.
+    """
+    pattern = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    carried = pattern + bits.astype(jnp.uint32)
+    upper = (carried >> 16).astype(jnp.uint16)
+    rounded = lax.bitcast_convert_type(upper, jnp.bfloat16)
+    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
+
+
+def round_float16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """`x` (float32) to float16, up in magnitude where `bits` (uint32) fall below the remainder.
+
+    With g the float16 gap at |x| (2**-24 through the subnormals), |x| / g = n + f with n
+    an integer and f in [0, 1), both exact in float32. The magnitude becomes (n + 1) * g
+    when a uniform 32-bit r < ceil(f * 2**32): exactly probability f wherever f is a
+    multiple of 2**-32, which is every float32 with |x| >= 2**-33; below that (9 binades
+    under the smallest float16) the probability is f rounded up to a multiple of 2**-32.
+    A magnitude of 65536 or more becomes infinity; infinities and NaN are kept.
+    """
+    x = x.astype(jnp.float32)
+    magnitude = jnp.abs(x)
+    gap, inverse_gap = _float16_gap(magnitude)
+    scaled = magnitude * inverse_gap
+    whole = jnp.floor(scaled)
+    threshold = jnp.ceil((scaled - whole) * _TWO_TO_32).astype(jnp.uint32)
+    up = (bits.astype(jnp.uint32) < threshold).astype(jnp.float32)
+    rounded = jnp.copysign((whole + up) * gap, x).astype(jnp.float16)
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.float16))
+
+
+def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
+    """The float32 `x` rounded to the nearest bfloat16 or float16 value, ties to even, in float32.
+
+    The rounding is written out in float32 rather than left to a cast and back: XLA may
+    drop a float32 -> bfloat16 -> float32 pair of casts and keep the float32 value (its GPU
+    compiler does, with `xla_allow_excess_precision` on by default), which would leave
+    nothing for the compensation to keep. The result is a value of `dtype` (infinity past
+    its largest finite value), so casting it to `dtype` is exact, kept or dropped.
+    """
+    if jnp.dtype(dtype) == _BF16:
+        # Carrying 2**15 - 1 into the 16 dropped bits, plus their neighbour's last bit, carries
+        # exactly past half a gap, and at half a gap toward the even neighbour.
+        tie_to_even = (lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(1)
+        bits = (jnp.uint32(0x7FFF) + tie_to_even).astype(jnp.uint16)
+        return round_bfloat16(x, bits).astype(jnp.float32)
+    gap, inverse_gap = _float16_gap(jnp.abs(x))
+    nearest = jnp.round(jnp.abs(x) * inverse_gap) * gap  # jnp.round: ties to even
+    largest = float(jnp.finfo(jnp.float16).max)
+    nearest = jnp.where(nearest > largest, jnp.inf, nearest)
+    return jnp.where(jnp.isfinite(x), jnp.copysign(nearest, x), x)
+
+
+def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gap between float16 values at `magnitude` (float32; 2**-24 through the
+    subnormals) and its inverse, both powers of two."""
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
+    gap_exponent = jnp.maximum(exponent, -14) - 10  # -24 ... 117
+    gap = lax.bitcast_convert_type((gap_exponent + 127) << 23, jnp.float32)
+    inverse_gap = lax.bitcast_convert_type((127 - gap_exponent) << 23, jnp.float32)
+    return gap, inverse_gap
+
+
+def update_to(rounded: jax.Array, param: jax.Array) -> jax.Array:
+    """A float32 update u with `param + u` cast to `param`'s dtype equal to `rounded`.
+
+    `rounded - param` is exact in float32 for two bfloat16 or float16 values near each
+    other, and the sum lands on `rounded`. Where they are the same bits (an infinity kept,
+    a weight unchanged), -0.0 keeps the weight as it is, its sign of zero included.
+    """
+    new, old = rounded.astype(jnp.float32), param.astype(jnp.float32)
+    width = {1: jnp.uint8, 2: jnp.uint16}[rounded.dtype.itemsize]
+    same = lax.bitcast_convert_type(rounded, width) == lax.bitcast_convert_type(
+        param.astype(rounded.dtype), width
+    )
+    return jnp.where(same, jnp.float32(-0.0), new - old)
+
+
+def _float32(value: Any) -> jax.Array:
+    return jnp.asarray(value).astype(jnp.float32)
