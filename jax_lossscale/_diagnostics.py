@@ -164,8 +164,8 @@ def check_not_stuck(
         f"{', '.join(repr(float(scale)) for scale in scales)}; skipped so far: {counts['NaN']} "
         f"for NaN, {counts['inf']} for inf, {counts['spike']} as spikes"
     )
-    if non_finite_counts is not None:
-        paths = non_finite_paths(non_finite_counts)
+    paths = None if non_finite_counts is None else non_finite_paths(non_finite_counts)
+    if paths is not None:
         named = ", ".join(f"{path}: {count} entries" for path, count in paths.items())
         message += f"; the last step's gradients held NaN or inf in {named or 'no leaf'}"
     norms = np.asarray(jax.device_get(stats.grad_norm))
@@ -179,9 +179,18 @@ def check_not_stuck(
             "a loss given as value=, that is not finite is a spike at every step: find the op "
             "that makes it with jax_debug_nans on the forward pass"
         )
+    elif paths == {} and np.all(np.isposinf(norms)):
+        message += (
+            "; every entry was finite, but their squares added up past the float32 maximum "
+            "(a grad_norm above about 1.8e19), which loss_scaled counts as an overflow on "
+            "every platform: the unscaled gradients are that large whatever the scale; find "
+            "the leaves whose norms are largest (optax.tree.norm of each), and scale the loss "
+            "down, lower the learning rate, or restore a checkpoint from before"
+        )
     else:
         message += (
-            "; they are not finite whatever the scale: find the op that overflows "
+            "; they are not finite whatever the scale (a NaN or an infinity, or a grad_norm "
+            "above about 1.8e19, whose square overflows float32): find the op that overflows "
             "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and "
             "compute it in float32, lower the learning rate, or restore a checkpoint from before"
         )

@@ -75,37 +75,41 @@ ROW = 512  # entries: squares are summed over rows of this many first
 
 
 def row_sums(squares: jax.Array, form: Form) -> jax.Array:
-    """The sums of `squares` (float32 or wider, >= 0, +inf or NaN) over rows of `ROW` entries,
-    the last padded with zeros: a vector of one sum for `ROW` entries or fewer.
+    """The sums of `squares` (a flat float32 or wider vector, >= 0, +inf or NaN) over rows of
+    `ROW` entries, the last row of fewer: a vector of one sum for `ROW` entries or fewer.
 
     Summed over rows and then over the rows' sums, the squared norm of a leaf of any size is
-    within about 1e-7 of the exact one, where one long float32 accumulation drifts by 1e-4
-    at 2e7 entries.
+    within about 1e-7 of the exact one, where one long float32 accumulation drifts by 1e-4 at
+    2e7 entries on a CPU. On a GPU the last row is padded with zeros and every row summed by a
+    plain sum: XLA:GPU merges the kernels of many leaves' rows then, and splits a reduction of
+    two results into two kernels that fuse with nothing. Elsewhere the whole rows are summed
+    by a reduction of two results, the sum and an infinity flag, which XLA:CPU compiles into
+    one loop, where it rewrites a plain float sum into a tree of smaller ones with the squares
+    written out first; and the last, partial row apart, as padded a large leaf is read by a
+    slow loop there (2.7x the sgd step).
     """
-    if squares.size > ROW:
-        squares = jnp.pad(squares, (0, -squares.size % ROW)).reshape(-1, ROW)
-    else:
-        squares = squares.reshape(1, -1)
-    sums: jax.Array = chosen(form, _plain_row_sums, _row_sums_and_infinities, squares)
+    if squares.size <= ROW:
+        return jnp.sum(squares).reshape(1)
+    sums: jax.Array = chosen(form, _padded_row_sums, _row_sums_and_infinities, squares)
     return sums
 
 
-def _plain_row_sums(squares: jax.Array) -> jax.Array:
-    return jnp.sum(squares, axis=1)
+def _padded_row_sums(squares: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.pad(squares, (0, -squares.size % ROW)).reshape(-1, ROW), axis=1)
 
 
 def _row_sums_and_infinities(squares: jax.Array) -> jax.Array:
+    whole = squares.size - squares.size % ROW
+    rows = jax.lax.stop_gradient(squares[:whole]).reshape(-1, ROW)  # (no derivative rule)
     # The flag adds nothing (an infinity makes its row's sum infinite, a NaN NaN), but read,
     # it keeps the reduction of two results that XLA:CPU compiles into one loop.
-    squares = jax.lax.stop_gradient(squares)  # a reduction of two results has no derivative
     sums, infinite = jax.lax.reduce(
-        (squares, squares == np.inf),
-        (np.zeros((), squares.dtype), np.bool_(False)),
-        _add_and_or,
-        (1,),
+        (rows, rows == np.inf), (np.zeros((), rows.dtype), np.bool_(False)), _add_and_or, (1,)
     )
-    with_infinities: jax.Array = sums + jnp.where(infinite, np.asarray(np.inf, sums.dtype), 0)
-    return with_infinities
+    sums = sums + jnp.where(infinite, np.asarray(np.inf, sums.dtype), 0)
+    if whole == squares.size:
+        return sums
+    return jnp.concatenate([sums, jnp.sum(squares[whole:]).reshape(1)])
 
 
 def _add_and_or(

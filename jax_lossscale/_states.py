@@ -44,13 +44,15 @@ class LossScaleStats(NamedTuple):
     """What `loss_scaled` records for logging; read it with `get_loss_scale_stats`.
 
     `grad_norm` is the global L2 norm of the last step's unscaled gradients (0 before
-    the first step; +inf when they held an infinity, NaN only when they held a NaN),
-    from the pass that checks them.
+    the first step; NaN only when they held a NaN; +inf when they held an infinity, or when
+    their squares add up past the float32 maximum, a norm above about 1.8e19), from the
+    pass that checks them. A step whose `grad_norm` is not finite is an overflow, on every
+    platform and in every distribution: a `DynamicLossScale` skips it and backs off.
     The counters saturate at `2**31 - 1`. A skipped step counts as a NaN skip when its
-    gradients held a NaN, as an inf skip when they held +-inf (before or after
-    unscaling) and no NaN, as a spike skip when they were finite but `grad_norm` or
-    the loss was a spike (see `loss_scaled`), and as none of these when a custom
-    `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
+    gradients held a NaN, as an inf skip when `grad_norm` was +inf (an infinity, before or
+    after unscaling, or a squared norm past float32) and no NaN, as a spike skip when they
+    were finite but `grad_norm` or the loss was a spike (see `loss_scaled`), and as none of
+    these when a custom `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
     growing is stuck, typically at the minimum scale.
 
     Examples:

@@ -69,10 +69,10 @@ LONGEST_FILES = (
     "test_migrating.py",
     "test_soak.py",
     "test_properties.py",
-    "test_branches.py",
+    "test_skip.py",
     "test_dynamic.py",
     "test_diagnostics.py",
-    "test_gpu_forms.py",
+    "test_platforms.py",
     "test_site.py",
     "test_model_state.py",
 )

@@ -234,7 +234,8 @@ _STUCK_FIVE = (
     "at a loss scale of 1.0; skipped so far: 5 for NaN, 0 for inf, 0 as spikes"
 )
 _ADVICE = (
-    "; they are not finite whatever the scale: find the op that overflows (count_non_finite on "
+    "; they are not finite whatever the scale (a NaN or an infinity, or a grad_norm above about "
+    "1.8e19, whose square overflows float32): find the op that overflows (count_non_finite on "
     "the gradients, jax_debug_nans on the forward pass) and compute it in float32, lower the "
     "learning rate, or restore a checkpoint from before"
 )
@@ -253,6 +254,31 @@ def test_check_not_stuck_raises_naming_the_scale_the_counts_and_the_leaves():
     with pytest.raises(jls.LossScaleStuckError) as excinfo:
         jls.check_not_stuck(opt_state, 5)  # no counts: no leaves named
     assert str(excinfo.value) == _STUCK_FIVE + _ADVICE
+
+
+def test_check_not_stuck_says_when_finite_gradients_overflow_their_squared_norm():
+    """DESIGN 3.1: finite gradients of 3e19, whose squares overflow float32, are an overflow
+    at every step and every scale; with the counts, which name no leaf, the message says so
+    and what to look at, rather than to look for a NaN or an infinity."""
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(initial_loss_scale=4.0))
+    params = {"w": jnp.zeros(3)}
+    opt_state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(4):
+        grads = {"w": jnp.full(3, 3e19) * jls.get_loss_scale(opt_state)}
+        _, opt_state = update(grads, opt_state, params)
+    counts = jls.count_non_finite(grads)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 4, non_finite_counts=counts)
+    assert str(excinfo.value) == (
+        "loss_scaled is stuck: 4 steps in a row were skipped, at least max_consecutive_skips=4, "
+        "at a loss scale of 1.0; skipped so far: 0 for NaN, 4 for inf, 0 as spikes; the last "
+        "step's gradients held NaN or inf in no leaf; every entry was finite, but their squares "
+        "added up past the float32 maximum (a grad_norm above about 1.8e19), which loss_scaled "
+        "counts as an overflow on every platform: the unscaled gradients are that large "
+        "whatever the scale; find the leaves whose norms are largest (optax.tree.norm of each), "
+        "and scale the loss down, lower the learning rate, or restore a checkpoint from before"
+    )
 
 
 _FP8_ADVICE = (

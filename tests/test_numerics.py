@@ -446,13 +446,22 @@ def test_the_summary_tells_a_nan_from_an_infinity_or_an_overflow(name, form):
         assert bool(summary.has_nan) is bool(np.isnan(total))
 
 
+# The reductions of the summary of four parts, in each form: the three small ones (a float32
+# matrix of 2048 entries, 7 bfloat16 and 9 float32 entries) combined entry by entry and summed
+# over rows of 512 (4 rows); the float16 vector of 5000, in the CPU form over its 9 whole rows
+# and its last 392 entries apart, in the GPU form over 10 rows, the last padded; then all the
+# rows' sums in one more sum. In the CPU form the rows are summed by reductions of two results
+# (the sum and an infinity flag), in the GPU form by plain sums.
+ROW_REDUCTIONS = {
+    Form.CPU: ["(f32[4]{0}, pred[4]{0})", "(f32[9]{0}, pred[9]{0})", "f32[]", "f32[]"],
+    Form.GPU: ["f32[10]{0}", "f32[4]{0}", "f32[]"],
+}
+
+
 @pytest.mark.parametrize("form", [Form.CPU, Form.GPU], ids=lambda form: form.value)
-def test_one_reduction_per_part_over_rows_then_one_over_the_rows(form):
-    """Compiled for a CPU, each of three parts (a float32 matrix of 2048 entries, a float16
-    vector of 5000, small bfloat16 and float32 vectors joined) is summed over rows of 512, in
-    a reduction of two results (the sum and an infinity flag) in the CPU form and a plain sum
-    in the GPU form (the small ones' single row added in with the others); then one more sum
-    over all the rows' sums."""
+def test_one_reduction_per_part_over_whole_rows_then_one_over_the_rows(form):
+    """Compiled for a CPU: each part summed over rows of 512, small parts together, then one
+    sum over the rows' sums; the norm the exact one."""
     parts = [
         device_array(np.ones((64, 32))),
         device_array(np.ones(5000), jnp.float16),
@@ -460,10 +469,9 @@ def test_one_reduction_per_part_over_rows_then_one_over_the_rows(form):
         device_array(np.ones(9)),
     ]
     text = jax.jit(lambda p: summarize_gradients(p, None, form=form)).lower(parts).compile()
-    rows = ["f32[4]{0}", "f32[10]{0}"]  # the small ones' one row XLA adds in with the rest
-    if form is Form.CPU:
-        rows = [f"({row}, pred[{row[4:-4]}]{{0}})" for row in rows]
-    assert sorted(compiled_reductions(text.as_text())) == sorted([*rows, "f32[]"])
+    assert sorted(compiled_reductions(text.as_text())) == ROW_REDUCTIONS[form]
+    norm = jax.jit(lambda p: summarize_gradients(p, None, form=form).norm)(parts)
+    np.testing.assert_allclose(float(norm), np.sqrt(2048 + 5000 + 7 + 9), rtol=1e-7)
 
 
 def test_the_norm_of_a_large_leaf_is_within_1e_6_of_the_exact_one():

@@ -531,17 +531,18 @@ def _reductions(compiled_text: str) -> int:
     return len(compiled_reductions(compiled_text))
 
 
-# Where the gradients are, and the reductions besides one a leaf: on one device (of the 8
-# this process has), each leaf is summed over rows, then all the rows' sums in one more;
-# where the leaves may be sharded (placed on a mesh of the 8 devices whose axis XLA's
-# partitioner may split them along), each in one plain sum, which the partitioner
-# all-reduces, and the six sums are added up.
+# Where the gradients are, and the reductions per leaf and besides: on one device (of the 8
+# this process has), each leaf is summed over its whole rows and its last, partial row apart
+# (the CPU form), then all the rows' sums in one more sum; where the leaves may be sharded
+# (placed on a mesh of the 8 devices whose axis XLA's partitioner may split them along), each
+# in one plain sum, which the partitioner all-reduces, and the six sums are added up.
 NORM_PLACEMENTS = {
-    "one device": (lambda tree: jax.device_put(tree, jax.devices()[5]), 1),
+    "one device": (lambda tree: jax.device_put(tree, jax.devices()[5]), 2, 1),
     "on a mesh of 8 devices": (
         lambda tree: jax.device_put(
             tree, NamedSharding(Mesh(np.array(jax.devices()), (AXIS,)), PartitionSpec())
         ),
+        1,
         0,
     ),
 }
@@ -549,10 +550,11 @@ NORM_PLACEMENTS = {
 
 @pytest.mark.parametrize("placement", NORM_PLACEMENTS)
 def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
-    """One reduction per leaf and one over their sums check the gradients and give their
-    norm and whether they hold a NaN, wherever they are (under `pmap` too:
-    tests/test_lowering.py). The windows' statistics add four."""
-    place, extra = NORM_PLACEMENTS[placement]
+    """The reductions that sum each leaf's squares, and one over their sums, check the
+    gradients and give their norm and whether they hold a NaN, wherever they are (under
+    `pmap` too: tests/test_lowering.py); there is no other. The windows' statistics add
+    four."""
+    place, per_leaf, extra = NORM_PLACEMENTS[placement]
     leaves = 6
     params = place({f"l{i}": np.ones((5000 + i,), np.float32) for i in range(leaves)})
     counts = {}
@@ -565,7 +567,7 @@ def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
         lowered = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, value=1.0))
         text = lowered.lower(params, tx.init(params), params).compile().as_text()
         counts[name] = _reductions(text)
-    n = leaves + extra
+    n = per_leaf * leaves + extra
     assert counts == {"off": n, "bound": n, "window": n + 4}
 
 
