@@ -106,10 +106,10 @@ def _row_sums_and_infinities(squares: jax.Array) -> jax.Array:
     sums, infinite = jax.lax.reduce(
         (rows, rows == np.inf), (np.zeros((), rows.dtype), np.bool_(False)), _add_and_or, (1,)
     )
-    sums = sums + jnp.where(infinite, np.asarray(np.inf, sums.dtype), 0)
+    row_sums: jax.Array = sums + jnp.where(infinite, np.asarray(np.inf, sums.dtype), 0)
     if whole == squares.size:
-        return sums
-    return jnp.concatenate([sums, jnp.sum(squares[whole:]).reshape(1)])
+        return row_sums
+    return jnp.concatenate([row_sums, jnp.sum(squares[whole:]).reshape(1)])
 
 
 def _add_and_or(

@@ -65,8 +65,10 @@ def apply_or_skip(
     """
     inner_state = operands.inner_state
     if not isinstance(apply, jax.core.Tracer):
-        new = inner_update(operands) if apply else jax.eval_shape(inner_update, operands)
-        return skipped_by_selects(apply, *new, inner_state)
+        new_updates, new_state = (
+            inner_update(operands) if apply else jax.eval_shape(inner_update, operands)
+        )
+        return skipped_by_selects(apply, new_updates, new_state, inner_state)
     if form is Form.GPU or skips_by_select(inner_state, operands.scaled_grads):
         return skipped_by_selects(apply, *inner_update(operands), inner_state)
     cond = skip_by_cond(inner_update, operands)

@@ -52,8 +52,8 @@ class LossScaleStats(NamedTuple):
     gradients held a NaN, as an inf skip when `grad_norm` was +inf (an infinity, before or
     after unscaling, or a squared norm past float32) and no NaN, as a spike skip when they
     were finite but `grad_norm` or the loss was a spike (see `loss_scaled`), and as none of
-    these when a custom `LossScale` skipped finite gradients. A run whose `consecutive_skipped_steps` keeps
-    growing is stuck, typically at the minimum scale.
+    these when a custom `LossScale` skipped finite gradients. A run whose
+    `consecutive_skipped_steps` keeps growing is stuck, typically at the minimum scale.
 
     Examples:
       >>> import jax.numpy as jnp
