@@ -62,7 +62,7 @@ CONDITIONALS = {
     },
     "sgd": dict.fromkeys(VARIANTS, 0),
 }
-# On a GPU every skip is made of selects (`_numerics.on_gpu`): no step holds a conditional.
+# On a GPU every skip is made of selects (`_platforms.chosen`): no step holds a conditional.
 GPU_PLATFORMS = ("cuda", "rocm")
 
 

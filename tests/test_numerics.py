@@ -593,7 +593,7 @@ def test_under_shard_map_small_leaves_join_by_the_axes_they_vary_over(mesh):
 
 
 @pytest.mark.parametrize("bad", [None, np.nan, np.inf], ids=["finite", "nan", "inf"])
-def test_check_gradients_flags_agree_sharded_and_under_pmap(bad):
+def test_summary_flags_agree_sharded_and_under_pmap(bad):
     """A NaN or inf in one shard of a gradient split over 8 devices: SPMD `jit` (two passes)
     and `pmap` over the same shards (one pass, combined over the axis) agree with one
     device on the finite flag and the NaN flag, and on the norm of finite gradients."""
