@@ -13,10 +13,11 @@ check returns the value as a plain Python `float`, `int` or `bool`, so that loss
 objects compare, hash and serialize the same however a number was written (`2**15`,
 `32768.0`, `np.float32(32768)`, `jnp.asarray(2.0**15)`): a concrete scalar array, NumPy's or
 JAX's, counts as the number it holds, while a traced one is refused, since hyperparameters are
-static and fixed when the object is built. Real numbers are rounded to float32, the precision the
-state computes in, so that the checks and the config see the very values the update rule
-uses. Trees, axis names and states are checked at the public function or method that
-takes them, on shapes and dtypes only, so that the checks pass for tracers.
+static and fixed when the object is built; an initial scale, state rather than a
+hyperparameter, may be traced (`traced_or_positive_real`). Real numbers are rounded to
+float32, the precision the state computes in, so that the checks and the config see the very
+values the update rule uses. Trees, axis names and states are checked at the public function
+or method that takes them, on shapes and dtypes only, so that the checks pass for tracers.
 """
 
 import math
@@ -157,6 +158,16 @@ def positive_real(owner: str, name: str, value: Any) -> float:
     if number < FLOAT32_SMALLEST_NORMAL:
         fail(owner, name, value, f">= the smallest normal float32 ({FLOAT32_SMALLEST_NORMAL!r})")
     return number
+
+
+def traced_or_positive_real(owner: str, name: str, value: Any) -> float | jax.Array:
+    """A traced real scalar as a float32 array, for a value that only goes into a state (an
+    initial scale built inside `jit`); any other value checked by `positive_real`."""
+    if not isinstance(value, jax.core.Tracer):
+        return positive_real(owner, name, value)
+    if value.shape != () or not _is_real_dtype(value.dtype):
+        fail(owner, name, value, f"a real number, got {describe_array(value)}", TypeError)
+    return value.astype(jnp.float32)
 
 
 def optional_positive_real(owner: str, name: str, value: Any) -> float | None:

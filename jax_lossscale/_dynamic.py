@@ -30,7 +30,7 @@ class DynamicLossScaleState(NamedTuple):
     overflows_until_backoff: jax.Array  # int32: non-finite steps, this one included, to backoff
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
     """A loss scale that rises while gradients stay finite and falls when they overflow.
 
@@ -63,7 +63,12 @@ class DynamicLossScale(LossScale):
     Args:
       initial_loss_scale: the scale to start from. Start high: a scale that is
         too high comes down in a few steps, one that is too low takes
-        `increment_period` steps per doubling to rise.
+        `increment_period` steps per doubling to rise. It only goes into the state
+        `init` returns, so it may be traced (the loss scale built inside `jit` or
+        `pmap`, from `jnp.float32(2**15)` written there): a traced value cannot be
+        checked, and `init` brings it within `[min_loss_scale, max_loss_scale]` (NaN
+        to `min_loss_scale`), as `update` does with any state. Such a loss scale
+        compares and hashes by its other fields and has no `get_config`.
       increment_period: the number of consecutive finite steps after which the
         scale grows.
       multiplier: the growth factor, > 1; also the backoff divisor unless
@@ -90,7 +95,7 @@ class DynamicLossScale(LossScale):
       (Array(False, dtype=bool), Array(16384., dtype=float32))
     """
 
-    initial_loss_scale: float = 2.0**15
+    initial_loss_scale: float | jax.Array = 2.0**15
     increment_period: int = 2000
     multiplier: float = 2.0
     _: dataclasses.KW_ONLY
@@ -110,7 +115,7 @@ class DynamicLossScale(LossScale):
             if not (optional and value is None):
                 object.__setattr__(self, name, check("DynamicLossScale", name, value))
 
-        normalize("initial_loss_scale", _checks.positive_real)
+        normalize("initial_loss_scale", _checks.traced_or_positive_real)
         normalize("increment_period", _checks.integer)
         normalize("multiplier", _checks.real)
         normalize("backoff_factor", _checks.real, optional=True)
@@ -129,16 +134,42 @@ class DynamicLossScale(LossScale):
             fail("multiplier", "> 1")
         if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
             fail("backoff_factor", "None or in the open interval (0, 1)")
-        if self.initial_loss_scale < self.min_loss_scale:
+        initial = self.initial_loss_scale
+        if isinstance(initial, jax.Array):  # traced: init brings it within the bounds
+            # What is cached by loss scale (the jitted rule, the state's shapes) is cached by
+            # this equal twin, which holds no tracer, so that none outlives its trace.
+            untraced = dataclasses.replace(self, initial_loss_scale=self.min_loss_scale)
+            object.__setattr__(untraced, "_untraced", untraced)
+            object.__setattr__(self, "_untraced", untraced)
+            check_loss_scale_state(untraced, untraced.init())
+            return
+        if initial < self.min_loss_scale:
             fail("initial_loss_scale", f">= min_loss_scale ({self.min_loss_scale!r})")
-        if self.max_loss_scale is not None and self.max_loss_scale < self.initial_loss_scale:
-            fail("max_loss_scale", f"None or >= initial_loss_scale ({self.initial_loss_scale!r})")
+        if self.max_loss_scale is not None and self.max_loss_scale < initial:
+            fail("max_loss_scale", f"None or >= initial_loss_scale ({initial!r})")
+
+    def _fields(self) -> tuple[Any, ...]:
+        """The fields that make two loss scales equal, a traced initial scale left out."""
+        initial, *others = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return (None if "_untraced" in vars(self) else initial, *others)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
 
     def init(self) -> DynamicLossScaleState:
         """Returns the first state: the scale at `initial_loss_scale`, no finite steps counted
         and the full `hysteresis` tolerance."""
+        scale = jnp.asarray(self.initial_loss_scale, jnp.float32)
+        if isinstance(self.initial_loss_scale, jax.Array):  # traced, unchecked
+            ceiling, floor = np.float32(self._ceiling), np.float32(self.min_loss_scale)
+            scale = jnp.fmin(jnp.fmax(scale, floor), ceiling)
         return DynamicLossScaleState(
-            loss_scale=jnp.asarray(self.initial_loss_scale, jnp.float32),
+            loss_scale=scale,
             good_steps=jnp.asarray(0, jnp.int32),
             overflows_until_backoff=jnp.asarray(self.hysteresis, jnp.int32),
         )
@@ -165,10 +196,11 @@ class DynamicLossScale(LossScale):
           >>> should_apply, ls(state)
           (Array(True, dtype=bool), Array(16., dtype=float32))
         """
-        check_loss_scale_state(self, state)
+        untraced = getattr(self, "_untraced", self)
+        check_loss_scale_state(untraced, state)
         check_grads_finite(grads_finite, caller="DynamicLossScale.adjust")
         # jax.jit's wrapper returns Any.
-        return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(self, state, grads_finite))
+        return cast(tuple[DynamicLossScaleState, jax.Array], _adjust(untraced, state, grads_finite))
 
     def _next_state(self, state: DynamicLossScaleState, finite: jax.Array) -> DynamicLossScaleState:
         """The update rule: the state after a step whose finiteness is `finite`."""
@@ -215,6 +247,12 @@ class DynamicLossScale(LossScale):
 
     def get_config(self) -> dict[str, Any]:
         """Returns the hyperparameters as a JSON-able dict, which `from_config` takes back."""
+        if isinstance(self.initial_loss_scale, jax.Array):
+            raise TypeError(
+                "DynamicLossScale.get_config: initial_loss_scale is traced, and a config holds "
+                "numbers; build the loss scale with a number outside the traced function to "
+                "serialize it"
+            )
         return dataclasses.asdict(self)
 
 

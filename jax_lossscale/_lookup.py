@@ -45,11 +45,14 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 def get_loss_scale_stats(opt_state: Any) -> LossScaleStats:
     """Returns the `LossScaleStats` of the `loss_scaled` state inside `opt_state`.
 
-    The fields are the current scale, the last step's gradient norm (`grad_norm`),
-    the steps skipped so far (in all, for NaN, for inf, as spikes, and in a row up to
-    now) and whether the last step was applied: scalar arrays, ready to log (use
-    `._asdict()` for a dict); `LossScaleStats` says what each counts. The state is
-    found as by `get_loss_scale`.
+    The state is found as by `get_loss_scale`.
+
+    Returns:
+      A `LossScaleStats` of scalar arrays, ready to log (`._asdict()` for a dict): the
+      current scale, the last step's gradient norm (`grad_norm`, of the unscaled
+      gradients), the steps skipped so far (in all, for NaN, for inf, as spikes, and in a
+      row up to now) and whether the last step was applied; `LossScaleStats` says what
+      each counts.
 
     Raises:
       LookupError: if `opt_state` holds no `LossScaledState`.

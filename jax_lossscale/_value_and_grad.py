@@ -23,15 +23,14 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """`jax.value_and_grad` of `fun`, with the gradients scaled for `loss_scaled`.
 
-    The function returned gives `(value, grads)` (`((value, aux), grads)` with
-    `has_aux`), where `value` is `fun`'s own value, bit for bit, and `grads` are the
-    gradients of `value * scale`, the product taken in float32 (a float16 loss times
-    2**15 would overflow): the scaled gradients that `loss_scaled(...).update` takes.
-    Exactly those whatever `value`'s dtype: for a float16 or bfloat16 loss, the backward
-    pass of `fun` starts from the largest power of two in the scale that the loss dtype
-    holds (at most 2**15 for float16), exact there, and the gradients are multiplied by
-    the rest of the scale in float32 (a scale that is not a power of two, such as
-    2**15 * 0.7, is not rounded to the loss dtype).
+    The gradients are those of `fun`'s value times the scale, the product taken in
+    float32 (a float16 loss times 2**15 would overflow), exactly whatever the value's
+    dtype: for a float16 or bfloat16 loss, the backward pass of `fun` starts from the
+    largest power of two in the scale that the loss dtype holds (at most 2**15 for
+    float16), exact there, and the gradients are multiplied by the rest of the scale in
+    float32 (a scale that is not a power of two, such as 2**15 * 0.7, is not rounded to
+    the loss dtype).
+
     fp8 meta leaves (`loss_scaled`'s `fp8_meta`), whose "gradients" are their new values,
     come back as flax computes them, never multiplied by the rest. The output gradients'
     amax histories and scales hold amaxes of the gradients of the loss times the scale;
@@ -39,6 +38,7 @@ def value_and_grad(
     more), the layers run with them divided by `lift`, the part of the scale their backward
     pass carries, and they come back multiplied by it, so that `loss_scaled` can follow the
     scale's every change.
+
     The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
     a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
     array. Build it inside the train step, with the step's own `opt_state`: one trace
@@ -58,6 +58,12 @@ def value_and_grad(
         `eqx.filter_value_and_grad` or `nnx.value_and_grad` for those frameworks.
       fp8_meta: which leaves of the gradients are fp8 meta state, as `loss_scaled` takes
         it: None for those under flax's `"_overwrite_with_gradient"` collection.
+
+    Returns:
+      A function of `fun`'s arguments that returns `(value, grads)` (`((value, aux),
+      grads)` with `has_aux`): `value` is `fun`'s own value, bit for bit, and `grads` are
+      the gradients of `value * scale`, the scaled gradients that `loss_scaled(...).update`
+      takes and unscales.
 
     Examples:
       >>> import jax.numpy as jnp

@@ -195,6 +195,16 @@ for _name, (_optional, _cls, _specific) in _REAL_PARAMS.items():
     for _value, _requirement in _specific:
         add_hyperparameter(_cls, {**_base, _name: _value}, _name, ValueError, _requirement)
 
+# jmp's float16 scale (`jmp.half_dtype()(2**15)`) is checked as the number it holds.
+for _value, _requirement in [(jnp.float16(np.inf), "finite"), (np.float16(-2.0), "> 0")]:
+    add_hyperparameter(
+        jls.DynamicLossScale,
+        {"initial_loss_scale": _value},
+        "initial_loss_scale",
+        ValueError,
+        _requirement,
+    )
+
 # Numbers beyond every float (Python raises OverflowError converting them) and a repr too
 # long to print whole: the message shows the value shortened in the middle.
 _HUGE = 10**400
@@ -1235,6 +1245,27 @@ def test_bad_input_is_refused_naming_argument_and_value(case: Case, mode: str):
     if case.message is not None:
         assert re.fullmatch(_pattern(case.message), message), f"\n{message}\n!=\n{case.message}"
     assert (_fingerprint(case.args), _registry(), repr(DYN), repr(FIX)) == before
+
+
+@pytest.mark.parametrize(
+    ("value", "what"),
+    [
+        (device_array([1.0]), "float32 and shape (1,)"),
+        (device_array(2 + 0j, np.complex64), "complex64 and shape ()"),
+        (jnp.bool_(True), "bool and shape ()"),
+    ],
+    ids=["vector", "complex", "bool"],
+)
+def test_a_traced_initial_scale_is_taken_only_as_a_real_scalar(value, what):
+    """A traced initial scale is taken (it only goes into the state); one of another shape or
+    dtype is refused at trace time, as a concrete one is."""
+    with pytest.raises(TypeError) as excinfo:
+        jax.jit(lambda v: jls.DynamicLossScale(initial_loss_scale=v).init())(value)
+    assert re.fullmatch(
+        r"DynamicLossScale\(initial_loss_scale=.*Tracer.*\): initial_loss_scale must be a real "
+        rf"number, got DynamicJaxprTracer of dtype {re.escape(what)}",
+        str(excinfo.value),
+    ), str(excinfo.value)
 
 
 # --- None leaves are not bad input: they are ignored (docs/optax-wrapper.md) ----------------

@@ -409,15 +409,15 @@ def test_concrete_scalar_arrays_are_accepted_as_the_numbers_they_hold():
 
 @pytest.mark.parametrize("transform", ["jit", "vmap", "grad"])
 def test_traced_hyperparameter_is_refused_saying_hyperparameters_are_static(transform):
-    def build(scale):
-        return jls.DynamicLossScale(initial_loss_scale=scale).init().loss_scale
+    def build(multiplier):
+        return jls.DynamicLossScale(multiplier=multiplier).init().loss_scale
 
     run = {"jit": jax.jit(build), "vmap": jax.vmap(build), "grad": jax.grad(build)}[transform]
     with pytest.raises(TypeError) as excinfo:
         run(jnp.ones(2) if transform == "vmap" else jnp.float32(1024.0))
     message = str(excinfo.value)
     assert re.fullmatch(
-        r"DynamicLossScale\(initial_loss_scale=.*Tracer.*\): initial_loss_scale must be a "
+        r"DynamicLossScale\(multiplier=.*Tracer.*\): multiplier must be a "
         r"static Python number \(or a concrete NumPy or JAX scalar\), not a value traced by "
         r"jit, grad or vmap: hyperparameters are fixed when the object is built, so build it "
         r"outside the traced function",

@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_lossscale as jls
@@ -580,6 +581,136 @@ def test_different_hyperparameters_are_unequal(kwargs):
     assert jls.DynamicLossScale(**kwargs) != jls.DynamicLossScale()
     assert jls.DynamicLossScale(**kwargs) == jls.DynamicLossScale(**kwargs)
     assert hash(jls.DynamicLossScale(**kwargs)) == hash(jls.DynamicLossScale(**kwargs))
+
+
+# jmp's README writes its scale `jmp.half_dtype()(2**15)`, a float16 scalar; its docstring
+# `jnp.asarray(2.**15)`; the state holds the scale in float32 either way.
+@pytest.mark.parametrize(
+    "scale",
+    [jnp.float16(2**15), np.float16(2**15), jnp.asarray(2.0**15), jnp.float32(2**15)],
+    ids=["jnp.float16", "np.float16", "jnp.asarray", "jnp.float32"],
+)
+def test_a_scalar_array_initial_scale_outside_jit_is_the_number_it_holds(scale):
+    ls = jls.DynamicLossScale(initial_loss_scale=scale)
+    assert ls == jls.DynamicLossScale(2.0**15)
+    assert ls.get_config()["initial_loss_scale"] == 32768.0
+    chex.assert_trees_all_equal(ls.init(), jls.DynamicLossScale().init())
+
+
+def _steps_of_a_loss_scale_built_inside(transform, write_scale, steps, axis_name=None):
+    """The optimizer built inside the traced function, as a train state's init and a step
+    written for jmp build it; returns the scale after each step and the applied flags."""
+
+    def build():
+        ls = jls.DynamicLossScale(initial_loss_scale=write_scale(), increment_period=2)
+        return jls.loss_scaled(optax.sgd(1.0), ls, axis_name=axis_name)
+
+    def init(params):
+        return build().init(params)
+
+    def step(params, opt_state, grads):
+        updates, opt_state = build().update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = {"w": device_array([1.0, 2.0, 3.0])}
+    opt_state = transform(init)(params)
+    scales = [float(jls.get_loss_scale(opt_state))]
+    for index, flag in enumerate(steps):
+        scale = jls.get_loss_scale(opt_state)
+        scaled = jax.tree.map(lambda g, scale=scale: g * scale, grads_for(flag, index))
+        params, opt_state = transform(step)(params, opt_state, scaled)
+        scales.append(float(jls.get_loss_scale(opt_state)))
+    return scales, params
+
+
+@pytest.mark.parametrize(
+    "write_scale",
+    [lambda: jnp.float32(2**15), lambda: jnp.float16(2**15), lambda: jnp.asarray(2**15)],
+    ids=["jnp.float32", "jnp.float16", "jnp.asarray-int"],
+)
+def test_a_loss_scale_built_inside_jit_from_a_traced_scale_runs_as_one_built_outside(
+    write_scale,
+):
+    expected = _steps_of_a_loss_scale_built_inside(jax.jit, lambda: 2.0**15, "TFTTF")
+    assert expected[0] == [32768.0, 32768.0, 16384.0, 16384.0, 32768.0, 16384.0]
+    got = _steps_of_a_loss_scale_built_inside(jax.jit, write_scale, "TFTTF")
+    assert got[0] == expected[0]
+    chex.assert_trees_all_equal(got[1], expected[1])
+
+
+def test_a_loss_scale_built_inside_pmap_from_a_traced_scale():
+    def pmapped(fn):
+        def replicated(*args):
+            args = jax.tree.map(lambda x: np.stack([x, x]), args)
+            out = jax.pmap(fn, axis_name="i", devices=jax.devices()[:2])(*args)
+            return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[0]), out)
+
+        return replicated
+
+    scales, _ = _steps_of_a_loss_scale_built_inside(
+        pmapped, lambda: jnp.float32(2**15), "FTT", axis_name="i"
+    )
+    assert scales == [32768.0, 16384.0, 16384.0, 32768.0]
+
+
+def test_a_loss_scale_built_from_a_traced_scale_leaves_no_tracer_behind():
+    """What is cached by loss scale (its jitted rule, its state's shapes) outlives the trace:
+    it is cached by an equal loss scale that holds no tracer."""
+
+    def make_tx():
+        ls = jls.DynamicLossScale(jnp.float32(2**13), increment_period=1, multiplier=4.0)
+        return jls.loss_scaled(optax.sgd(1.0), ls)
+
+    @jax.jit
+    def step(params, opt_state, grads):
+        return make_tx().update(grads, opt_state, params)[1]
+
+    params, scales = {"w": device_array([1.0, 2.0])}, []
+    with jax.checking_leaks():
+        opt_state = jax.jit(lambda p: make_tx().init(p))(params)
+        for flag in "TF":
+            opt_state = step(params, opt_state, grads_for(flag, 0))
+            scales.append(float(jls.get_loss_scale(opt_state)))
+    assert scales == [32768.0, 8192.0]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(4.0, 4.0), (0.0, 2.0), (-8.0, 2.0), (2.0**20, 1024.0), (np.inf, 1024.0), (np.nan, 2.0)],
+)
+def test_a_traced_initial_scale_is_brought_within_the_bounds_by_init(value, expected):
+    def init(scale):
+        ls = jls.DynamicLossScale(scale, min_loss_scale=2.0, max_loss_scale=1024.0)
+        return ls.init()
+
+    state = jax.jit(init)(np.float32(value))
+    chex.assert_trees_all_equal(
+        state, jls.DynamicLossScaleState(jnp.float32(expected), jnp.int32(0), jnp.int32(1))
+    )
+
+
+def test_a_traced_initial_scale_compares_by_the_other_fields_and_has_no_config():
+    seen = {}
+
+    def build(a, b):
+        seen["a"] = jls.DynamicLossScale(a, increment_period=10)
+        seen["b"] = jls.DynamicLossScale(b, increment_period=10)
+        seen["c"] = jls.DynamicLossScale(b, increment_period=20)
+        seen["equal"] = seen["a"] == seen["b"] and hash(seen["a"]) == hash(seen["b"])
+        seen["unequal"] = seen["a"] != seen["c"] and seen["a"] != jls.DynamicLossScale(a.size)
+        with pytest.raises(TypeError) as excinfo:
+            seen["a"].get_config()
+        seen["message"] = str(excinfo.value)
+        return a
+
+    jax.jit(build)(np.float32(8.0), np.float32(16.0))
+    assert seen["equal"]
+    assert seen["unequal"]
+    assert seen["message"] == (
+        "DynamicLossScale.get_config: initial_loss_scale is traced, and a config holds "
+        "numbers; build the loss scale with a number outside the traced function to "
+        "serialize it"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)

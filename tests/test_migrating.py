@@ -351,16 +351,22 @@ def jmp_run(inner, loss_scale, skip, batches=BATCHES, params=PARAMS, opt_state=N
 
 
 def jls_run(inner, loss_scale, batches=BATCHES):
-    """The same run through `loss_scaled`, jitted with params and state donated."""
-    tx = jls.loss_scaled(inner, loss_scale)
+    """The same run through `loss_scaled`, jitted with params and state donated. A function
+    for `loss_scale` is called inside the jitted init and step, as a jmp train state builds
+    its scale there."""
+
+    def make_tx():
+        built = loss_scale if isinstance(loss_scale, jls.LossScale) else loss_scale()
+        return jls.loss_scaled(inner, built)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, x):
         grads = jax.grad(lambda p: loss(p, x) * jls.get_loss_scale(opt_state))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = make_tx().update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state, trace = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS), []
+    init = jax.jit(lambda params: make_tx().init(params))
+    params, opt_state, trace = jax.tree.map(jnp.copy, PARAMS), init(PARAMS), []
     for x in batches:
         params, opt_state = train_step(params, opt_state, x)
         stats = jls.get_loss_scale_stats(opt_state)
@@ -500,6 +506,27 @@ def test_jmps_docstring_scale_written_as_an_array_maps_as_it_is():
     ours = jls_run(
         optax.adam(0.1), jls.DynamicLossScale(initial_loss_scale=loss_scale, increment_period=2)
     )
+    assert [scale for _, scale, _ in ours] == EXPECTED_SCALES["DynamicLossScale"]
+    assert_runs_agree(ours, theirs)
+
+
+def test_jmps_readme_float16_scale_built_inside_jit_maps_to_jmps_float32_one():
+    """jmp's README builds its scale as `jmp.half_dtype()(2 ** 15)`, a float16 scalar, which
+    jmp's own `adjust` refuses; the mapped loss scale, built inside the jitted init and step
+    from that scalar (traced there), holds it in float32 and runs as jmp's float32 scale does,
+    step for step (docs/migrating.md, "jmp habits inside a traced function")."""
+    readme_scale = jmp.DynamicLossScale(jmp.half_dtype()(2**15), period=2)
+    with pytest.raises(TypeError, match=r"lax\.select requires arguments to have the same dtypes"):
+        readme_scale.adjust(jnp.array(True))
+    float32_scale = jmp.DynamicLossScale(jnp.float32(2**15), period=2)
+    theirs, _ = jmp_run(optax.adam(0.1), float32_scale, True)
+
+    def built_inside():
+        scale = jmp.half_dtype()(2**15)
+        assert isinstance(scale, jax.core.Tracer)
+        return jls.DynamicLossScale(initial_loss_scale=scale, increment_period=2)
+
+    ours = jls_run(optax.adam(0.1), built_inside)
     assert [scale for _, scale, _ in ours] == EXPECTED_SCALES["DynamicLossScale"]
     assert_runs_agree(ours, theirs)
 

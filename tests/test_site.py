@@ -4,8 +4,11 @@ section as one row, no `**` of a power turns prose bold, and the notebooks' titl
 contents keep the code of their headings."""
 
 import doctest
+import html
 import html.parser
+import importlib.util
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -178,6 +181,8 @@ def test_every_returns_section_renders_as_one_row_with_the_whole_text(site):
     page = Page(site / "api" / "index.html")
     expected = returns_sections()
     assert {
+        "jax_lossscale.value_and_grad",
+        "jax_lossscale.get_loss_scale_stats",
         "jax_lossscale.LossScale.adjust",
         "jax_lossscale.LossScale.update",
         "jax_lossscale.LossScale.scale",
@@ -266,3 +271,202 @@ def test_no_page_shows_a_literal_double_colon_or_a_file_path_as_a_cross_referenc
         if spans:
             found[path.relative_to(site).as_posix()] = spans
     assert found == {}
+
+
+# --- the site at a laptop's width, 1280 px, and offline -----------------------------------
+#
+# No browser runs here: the page's geometry at 1280 px is computed from the theme's stylesheet
+# (mkdocs-material 9: the root font at 125%, so 1 rem = 20 px; the left sidebar 12.1 rem; the
+# content's margins 1.2 rem each; tables at 0.64 rem; code at 0.85 em, 0.6 em a character in a
+# monospace font) and ours (docs/stylesheets/extra.css, read below), and a table's narrowest
+# width from its cells' longest unbreakable runs of text, as a browser's table layout takes it.
+
+WINDOW = 1280
+REM = 20.0
+MONOSPACE_ADVANCE = 0.6  # em, DejaVu Sans Mono, Liberation Mono, Menlo, Consolas
+TEXT_ADVANCE = 0.55  # em, an upper estimate of a sans-serif letter's mean width
+EXTRA_CSS = ROOT / "docs" / "stylesheets" / "extra.css"
+
+
+def css_value(selector: str, prop: str) -> str:
+    """The value of `prop` in the rule for `selector` in docs/stylesheets/extra.css."""
+    css = re.sub(r"/\*.*?\*/", "", EXTRA_CSS.read_text(), flags=re.S)
+    for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", css):
+        if selector in [part.strip() for part in selectors.split(",")]:
+            declarations = dict(re.findall(r"([\w-]+)\s*:\s*([^;]+);", body))
+            if prop in declarations:
+                return declarations[prop].strip()
+    raise KeyError(f"{selector} {{{prop}}}")
+
+
+def page_width() -> float:
+    """The width of a page's content at 1280 px: the grid, less the left sidebar and the
+    margins; the right sidebar is not there (its contents are in the left one)."""
+    assert "toc.integrate" in (ROOT / "mkdocs.yml").read_text()
+    grid = min(WINDOW, float(css_value(".md-grid", "max-width").removesuffix("rem")) * REM)
+    return grid - 12.1 * REM - 2 * 1.2 * REM
+
+
+def test_code_blocks_show_100_columns_at_1280_px(site):
+    code_font = 0.85 * 0.8 * REM
+    padding = 2 * 1.1764705882 * code_font  # the theme's, left and right of a code block
+    columns = (page_width() - padding) / (MONOSPACE_ADVANCE * code_font)
+    assert 100 <= columns < 125, columns
+    assert 'href="stylesheets/extra.css"' in (site / "index.html").read_text()
+
+
+class Tables(html.parser.HTMLParser):
+    """The tables of a page: each a list of rows, each a list of cells, each cell a list of
+    `(text, is_code)` runs; a `<br>` or `<wbr>` is a place to break, a run of its own."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.tables: list[list[list[list[tuple[str, bool]]]]] = []
+        self._code = 0
+        self._cell: list[tuple[str, bool]] | None = None
+        self.feed(path.read_text())
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr" and self.tables:
+            self.tables[-1].append([])
+        elif tag in {"td", "th"} and self.tables:
+            self._cell = []
+            self.tables[-1][-1].append(self._cell)
+        elif tag == "code":
+            self._code += 1
+        elif tag in {"br", "wbr"} and self._cell is not None:
+            self._cell.append((" ", False))
+
+    def handle_endtag(self, tag):
+        if tag == "code":
+            self._code -= 1
+        elif tag in {"td", "th"}:
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append((data, self._code > 0))
+
+
+def narrowest_cell(runs: list[tuple[str, bool]]) -> float:
+    """The width of a cell's longest unbreakable run, in px: inline code breaks at a space or
+    a `<wbr>` only (docs/stylesheets/extra.css: never inside a name), text at a space."""
+    table_font = 0.64 * REM
+    widths = {True: 0.85 * table_font * MONOSPACE_ADVANCE, False: table_font * TEXT_ADVANCE}
+    widest = current = 0.0
+    for text, is_code in runs:
+        for character in text:
+            current = 0.0 if character.isspace() else current + widths[is_code]
+            widest = max(widest, current)
+    return widest
+
+
+def narrowest_table(table: list[list[list[tuple[str, bool]]]]) -> float:
+    padding = float(css_value(".md-typeset table:not([class]) td", "padding").split()[1][:-2])
+    columns: dict[int, float] = {}
+    for row in table:
+        for index, cell in enumerate(row):
+            columns[index] = max(columns.get(index, 0.0), narrowest_cell(cell))
+    return sum(width + 2 * padding * 0.64 * REM for width in columns.values())
+
+
+def test_a_table_is_measured_by_its_longest_names():
+    cell = [("flax ", False), ("DynamicScale", True), (" or ", False)]
+    assert narrowest_cell(cell) == pytest.approx(12 * 0.85 * 12.8 * 0.6)
+    wrapped = [("tf.", True), (" ", False), ("compat", True)]  # a <wbr> after the dot
+    assert narrowest_cell(wrapped) == pytest.approx(6 * 0.85 * 12.8 * 0.6)
+
+
+def test_every_table_fits_the_page_whole_at_1280_px(site):
+    """A table wider than the page scrolls, its last columns out of sight; one that fits
+    shows every column, and no name in it breaks (the table is as wide as its names)."""
+    too_wide = {
+        f"{path.parent.relative_to(site).as_posix()}[{index}]": round(narrowest_table(table))
+        for path in sorted(site.glob("**/index.html"))
+        for index, table in enumerate(Tables(path).tables)
+        if narrowest_table(table) > page_width()
+    }
+    assert too_wide == {}
+
+
+def test_inline_code_breaks_only_between_names():
+    assert css_value(".md-typeset code", "word-break") == "normal"
+    spec = importlib.util.spec_from_file_location("hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = (
+        '<p><code><a href="#jax_lossscale.get">jls.get</a>(opt_state, x[0], 2.0)</code> '
+        "<code>tf.compat.v1.mixed_precision</code></p><pre><code>jls.get(x)</code></pre>"
+    )
+    assert hooks.wrap_code(page) == (
+        '<p><code><a href="#jax_lossscale.get">jls.<wbr>get</a>(<wbr>opt_state, x[0], 2.0)'
+        "</code> <code>tf.<wbr>compat.<wbr>v1.<wbr>mixed_precision</code></p>"
+        "<pre><code>jls.get(x)</code></pre>"
+    )
+
+
+def test_no_page_loads_anything_from_another_host(site):
+    """Web fonts from an outside host failed 39 times a page offline; the theme's fonts are
+    the system's (`font: false`)."""
+    found = {}
+    for path in sorted(site.glob("**/*.html")):
+        text = path.read_text()
+        loads = re.findall(r"<(?:link|script|img|iframe)\b[^>]*>", text)
+        outside = [
+            tag
+            for tag in loads
+            if re.search(r'\b(?:href|src)="(?:https?:)?//', tag) and 'rel="canonical"' not in tag
+        ]
+        outside += re.findall(r"@import\s+url\([^)]*\)|fonts\.(?:googleapis|gstatic)\.com", text)
+        if outside:
+            found[path.relative_to(site).as_posix()] = outside
+    for path in sorted(site.glob("**/*.css")):
+        if re.search(r"url\(\s*['\"]?(?:https?:)?//|@import", path.read_text()):
+            found[path.relative_to(site).as_posix()] = ["a url of another host"]
+    assert found == {}
+
+
+def search_words(site: pathlib.Path, separator: str) -> dict[str, set[str]]:
+    """The words the site's search finds on each page: as the theme's search tokenizes its
+    index, the text between tags split by `separator`, lowercased."""
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    words: dict[str, set[str]] = {}
+    for entry in index["docs"]:
+        page = entry["location"].split("#")[0]
+        for text in re.split(r"<[^>]*>", entry["title"] + "<br>" + entry["text"]):
+            words.setdefault(page, set()).update(
+                w.lower() for w in re.split(separator, html.unescape(text)) if w
+            )
+    return words
+
+
+def test_search_finds_every_public_name_a_page_writes(site):
+    """`jls.where_applied(opt_state,` is a word to the theme's default separator (spaces and
+    hyphens), so a search for `where_applied` missed the pages that write it so."""
+    separator = json.loads((site / "search" / "search_index.json").read_text())["config"][
+        "separator"
+    ]
+    words = search_words(site, separator)
+    names = [name for name in jax_lossscale.__all__ if name != "__version__"] + ["MultiSteps"]
+    missed = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        location = "" if page.stem == "index" else f"{page.stem}/"
+        written = [name for name in names if re.search(rf"\b{name}\b", page.read_text())]
+        if lost := [name for name in written if name.lower() not in words[location]]:
+            missed[page.name] = lost
+    assert missed == {}
+    assert "where_applied" in words["migrating/"]
+    assert "multisteps" in words["integrations/"]
+    default = search_words(site, r"[\s\-]+")
+    assert "where_applied" not in default["migrating/"]
+    assert "multisteps" not in default["integrations/"]
+
+
+def test_the_home_page_quick_start_shows_the_readmes_code(site):
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- --8<-- [start:quickstart] -->")
+    code = readme[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    for path in ("index.html", "getting-started/index.html"):
+        assert " ".join(code.split()) in Page(site / path).code_blocks, path
