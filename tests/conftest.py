@@ -58,6 +58,7 @@ LONGEST_FILES = (
     "test_lowering.py",
     "test_spikes.py",
     "test_value_and_grad.py",
+    "test_rl.py",
     "test_bf16_weights.py",
     "test_train_steps.py",
     "test_numerics.py",

@@ -158,6 +158,35 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
     assert steps["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
 
 
+def test_the_rl_benchmark_runs_its_mismatch_and_grpo_cases(tmp_path, capsys, monkeypatch):
+    from benchmarks import rl
+
+    monkeypatch.setattr(rl, "DTYPES", {"float32": np.float32, "float16": np.float16})  # 2 of 3
+    path = tmp_path / "rl.json"
+    argv = ["--width", "16", "--layers", "1", "--heads", "2", "--digits", "2", "--batches", "4",
+            "--train-steps", "2", "--grpo-steps", "2", "--seeds", "0", "--groups", "2",
+            "--group-size", "2", "--increment-periods", "2000", "--no-subprocess",
+            "--json", str(path)]  # fmt: skip
+    results = rl.main(argv)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    assert results["command"].startswith("python -m benchmarks rl --width 16")
+    mismatch = results["mismatch"]["default"]
+    assert list(mismatch) == [
+        "supervised_loss", "init, float32 islands", "trained, float32 islands",
+        "init, all in the compute dtype", "trained, all in the compute dtype",
+    ]  # fmt: skip
+    for stage in list(mismatch)[1:]:
+        assert list(mismatch[stage]["4"]) == ["float32", "float16"]
+        assert mismatch[stage]["4"]["float32"]["trainer_vs_float32"]["mean_abs"] == 0.0
+    assert list(results["grpo"]) == ["float32", "float16, increment_period=2000"]
+    [run] = results["grpo"]["float16, increment_period=2000"]["runs"].values()
+    assert run["traces"] == {"sampler": 1, "train": 1}
+    assert run["loss_scale"] == [2.0**15, 2.0**15]
+    assert "## mismatch, init, float32 islands, batch 4, XLA flags: default" in (
+        capsys.readouterr().out
+    )
+
+
 def test_the_gpu_case_set_runs_every_contender_pipelined_and_per_call(tmp_path, capsys):
     """`python -m benchmarks --gpu` at a tiny size, on the CPU: the optimizer steps, the GPT
     step with the constant-scale reference, and the scale sweep, each timed two ways. (The

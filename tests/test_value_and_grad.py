@@ -732,7 +732,9 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
     def __init__(self, rngs):
-        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        # nnx.Embed fixes its compute dtype when built (its table's, float32, unless given):
+        # a float16 copy of its params would still look up float32 rows.
+        self.embed = nnx.Embed(VOCAB, DIM, dtype=POLICY.compute_dtype, rngs=rngs)
         self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (SEQ, DIM)))
         self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
         self.norm = nnx.LayerNorm(DIM, rngs=rngs)
@@ -822,6 +824,28 @@ def test_nnx_gpt_steps_bit_identical_to_the_hand_written_ones():
     assert_bits_equal(
         nnx.to_pure_dict(nnx.state(optimizer)), nnx.to_pure_dict(nnx.state(hand_optimizer))
     )
+
+
+def dot_dtypes(fun, *args):
+    """The operand and result dtypes of every matrix product in `fun`'s jaxpr."""
+    eqns = jax.make_jaxpr(fun)(*args).jaxpr.eqns
+    return {
+        (*(str(var.aval.dtype) for var in eqn.invars), str(eqn.outvars[0].aval.dtype))
+        for eqn in eqns
+        if eqn.primitive.name == "dot_general"
+    }
+
+
+def test_the_nnx_gpt_under_the_policy_multiplies_in_float16_only():
+    model = GPT(nnx.Rngs(0))
+    tokens, targets, weights = next(gpt_batches())
+    loss = lambda model: gpt_loss_with_policy(model, tokens, targets, weights)  # noqa: E731
+    assert dot_dtypes(loss, model) == {("float16", "float16", "float16")}
+    # Built as the docs once showed it, nnx.Embed's float32 rows promote every product after it.
+    model.embed.dtype = F32
+    assert dot_dtypes(loss, model) == {
+        ("float32", "float32", "float32"), ("float32", "float16", "float32"),
+    }  # fmt: skip
 
 
 class MLP(eqx.Module):
