@@ -16,6 +16,8 @@ from jax_lossscale._fixed import FixedLossScaleState as FixedLossScaleState
 from jax_lossscale._lookup import get_loss_scale as get_loss_scale
 from jax_lossscale._lookup import get_loss_scale_stats as get_loss_scale_stats
 from jax_lossscale._loss_scaled import loss_scaled as loss_scaled
+from jax_lossscale._low_precision_state import LowPrecisionState as LowPrecisionState
+from jax_lossscale._low_precision_state import low_precision_state as low_precision_state
 from jax_lossscale._model_state import where_applied as where_applied
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._peer_hints import module_attribute_error as _module_attribute_error
@@ -50,6 +52,7 @@ __all__ = [
     "LossScaleStats",
     "LossScaleStuckError",
     "LossScaledState",
+    "LowPrecisionState",
     "Policy",
     "RecentValues",
     "SpikeWindows",
@@ -70,6 +73,7 @@ __all__ = [
     "half_dtype",
     "kahan_summation",
     "loss_scaled",
+    "low_precision_state",
     "non_finite_paths",
     "register",
     "serialize",

@@ -4,9 +4,9 @@ Both are optax transformations for the end of a chain. For each leaf of a floati
 narrower than float32 (bfloat16, float16) they take the new weight `params + u` in float32
 (u the inner updates) and choose the low-precision value it becomes: a stochastic rounding,
 or the nearest value plus a buffer that keeps what the rounding dropped. Their updates are
-the difference from the old weight, written in float32, so that `optax.apply_updates`
-lands on the chosen value exactly. Wider floating leaves and non-floating leaves pass
-through as the inner updates.
+the difference from the old weight, in the inner updates' dtype (what `optax.apply_if_finite`
+gives on a skip), so that `optax.apply_updates` lands on the chosen value. Wider floating
+leaves and non-floating leaves pass through as the inner updates.
 """
 
 from typing import Any, NamedTuple
@@ -15,16 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from jax_lossscale._axes import varying_axes
 from jax_lossscale._checks import describe, describe_array, is_at_least_float32, path_name
 from jax_lossscale._policy import floating_dtype
 from jax_lossscale._rounding import (
     add_compensated,
     add_in_float32,
+    checked_key,
+    dropped,
+    low_bits,
+    narrowed,
+    on_this_shard,
     round_stochastically,
-    update_to,
+    saturated,
 )
 
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -51,13 +54,16 @@ class StochasticRoundingState(NamedTuple):
 class KahanSummationState(NamedTuple):
     """The state of `kahan_summation`: a compensation buffer per low-precision leaf.
 
-    `compensation` mirrors the params: an array where the leaf is bfloat16 or float16,
-    None elsewhere. By default that is, for a bfloat16 leaf, an int16 array of the 16 bits
-    the float32 sum has below the weight (the weight and it together are that float32
-    value), and for a float16 leaf a float32 array of what the rounding dropped; with a
-    `compensation_dtype`, an array of that dtype holding what the rounding dropped.
+    Both fields mirror the params, None where a leaf has no buffer of that kind.
+    `low_bits`: by default, for a bfloat16 leaf, an int16 array of the 16 bits the float32
+    sum has below the weight (the weight and it together are that float32 value).
+    `compensation`: what the rounding dropped, as a float32 array for a float16 leaf by
+    default, or for every leaf as an array of the `compensation_dtype` given. The kinds are
+    kept apart so that a checkpoint of one restores into a target of the other as an
+    orbax "Structure mismatch" error rather than as cast bits.
     """
 
+    low_bits: optax.Params
     compensation: optax.Params
 
 
@@ -72,7 +78,10 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
     last place of the weight then moves it in expectation instead of being lost. Infinities
     and NaN come through as they are; a sum beyond the largest finite value rounds to
     infinity as if the next value up existed (2**128 for bfloat16, 65536 for float16).
-    Other leaves pass through as the inner updates. Apply the updates with
+    Other leaves pass through as the inner updates. The updates keep the inner updates'
+    dtype (bfloat16 for bfloat16 gradients, as `optax.apply_if_finite` needs); a bfloat16
+    update lands exactly unless it moves the weight by about its own size or across zero,
+    where it lands within half a gap of the update. Apply the updates with
     `optax.apply_updates`: a weight it rounded that comes back in another dtype (float32
     after `eqx.apply_updates`) is an error.
 
@@ -113,7 +122,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
       >>> optax.apply_updates(params, jnp.full(10000, -1e-3))[0]  # rounded to nearest: lost
       Array(1, dtype=bfloat16)
     """
-    key_data, impl = _checked_key(key)
+    key_data, impl = checked_key(key, "stochastic_rounding")
 
     def init_fn(params: optax.Params) -> StochasticRoundingState:
         def marker(path: Any, param: Any) -> jax.Array | None:
@@ -152,9 +161,9 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
                 new_updates.append(update)
                 continue
             total = _float32(param) + _float32(update)
-            leaf_key = _on_this_shard(jax.random.fold_in(step_key, index), total)
+            leaf_key = on_this_shard(jax.random.fold_in(step_key, index), total)
             rounded = round_stochastically(total, dtype, leaf_key)
-            new_updates.append(update_to(rounded, param))
+            new_updates.append(narrowed(rounded, param, _update_dtype(update))[0])
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
             StochasticRoundingState(jax.random.key_data(next_key), state.rounded),
@@ -171,15 +180,22 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     float32 sum of the weight, the inner updates u and what the buffer holds, rounded to
     the nearest value of the leaf's dtype, and the buffer keeps what that rounding dropped.
     Other leaves pass through as the inner updates and have no buffer. A step that
-    `loss_scaled` skips leaves the buffer as it was, bit for bit. Apply the updates with
+    `loss_scaled` skips leaves the buffer as it was, bit for bit. The updates keep the inner
+    updates' dtype, and the buffer is reckoned from the weight they land on (a bfloat16
+    update that moves a weight by about its own size or across zero can miss the rounded
+    sum; a default buffer then keeps at most 2**15 of the pattern). Apply the updates with
     `optax.apply_updates`: a weight with a buffer that comes back in another dtype (float32
     after `eqx.apply_updates`) is an error.
 
-    By default a bfloat16 weight's buffer is an int16 array of the 16 bits that float32 has
-    below bfloat16 (2 bytes a parameter): weight and buffer together are the float32 sum of
-    the updates, bit for bit, however small each update is; the weight is that sum rounded
-    to nearest (ties away from zero). A float16 weight's buffer is float32 (4 bytes), and
-    weight plus buffer follow the float32 sum to within float32 rounding.
+    By default a bfloat16 weight's buffer (the state's `low_bits`) is an int16 array of the
+    16 bits that float32 has below bfloat16 (2 bytes a parameter): weight and buffer
+    together are the float32 sum of the updates, bit for bit, however small each update is;
+    the weight is that sum rounded to nearest (ties away from zero). A float16 weight's
+    buffer is float32 (4 bytes), and weight plus buffer follow the float32 sum to within
+    float32 rounding. A finite sum past the dtype's largest value (for bfloat16, within
+    float32's range: above 3.3961e38) leaves the weight at that value, not infinite, and the
+    rest in the buffer (a default buffer keeps up to half a gap of it), so the weight comes
+    back as the sum does.
 
     A buffer of bfloat16 (or float16) keeps only updates above about half its own spacing:
     smaller ones are lost, as nearest rounding loses them without a buffer, once the
@@ -187,11 +203,19 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     about 2**-18 of the power of two above the weight (3.8e-6 for weights in [0.5, 1],
     1.2e-7 at 0.02), which the tail of a decaying schedule reaches.
 
+    A checkpoint restores into the same kind of buffer only: orbax refuses `low_bits` saved
+    by the default into the `compensation` of a `compensation_dtype` (and the other way)
+    with a "Structure mismatch" error, where it would cast the bits into wrong values. To
+    change kinds, restore with the transformation that saved, then convert the buffers
+    (the page "bfloat16 weights without a float32 copy" shows how).
+
     Args:
       compensation_dtype: None (the default) for the buffers above; a floating dtype for
         a buffer of that dtype holding what the rounding dropped (`jnp.float32`: 4 bytes a
         parameter, weight plus buffer a float32 value; `jnp.bfloat16`: 2 bytes, with the
-        threshold above).
+        threshold above). A buffer narrower than float32 must be the weight's own dtype:
+        init refuses a float16 one for a bfloat16 weight (too small a range) and the other
+        way (too few bits).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `KahanSummationState`.
@@ -219,15 +243,24 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
     )
 
     def init_fn(params: optax.Params) -> KahanSummationState:
-        def buffer(path: Any, param: Any) -> jax.Array | None:
+        def buffer(path: Any, param: Any, bits: bool) -> jax.Array | None:
             dtype = _rounded_dtype(param, path, "kahan_summation")
-            if dtype is None:
+            if dtype is None or bits != (buffer_dtype is None and dtype == _BF16):
                 return None
-            if buffer_dtype is not None:
-                return jnp.zeros(jnp.shape(param), buffer_dtype)
-            return jnp.zeros(jnp.shape(param), jnp.int16 if dtype == _BF16 else jnp.float32)
+            kind = jnp.int16 if bits else jnp.float32 if buffer_dtype is None else buffer_dtype
+            if not bits and kind != dtype and not is_at_least_float32(kind):
+                raise ValueError(
+                    f"kahan_summation(compensation_dtype={jnp.dtype(kind).name}): a "
+                    f"{jnp.dtype(kind).name} buffer cannot hold what rounding the {dtype} "
+                    f"param {path_name(path)} drops (its range or precision is too small); "
+                    "give the weight's dtype, jnp.float32, or None for the default"
+                )
+            return jnp.zeros(jnp.shape(param), kind)
 
-        return KahanSummationState(jax.tree_util.tree_map_with_path(buffer, params))
+        return KahanSummationState(
+            jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, True), params),
+            jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, False), params),
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -240,16 +273,17 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
         _check_state(state, KahanSummationState, "kahan_summation")
         flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_updates = _updates_like(treedef, updates, "kahan_summation")
-        flat_buffers = _state_like(treedef, state.compensation, "kahan_summation", "compensation")
+        flat_bits = _state_like(treedef, state.low_bits, "kahan_summation", "low_bits")
+        flat_floats = _state_like(treedef, state.compensation, "kahan_summation", "compensation")
         new_updates: list[Any] = []
-        new_buffers: list[Any] = []
-        for (path, param), update, buffer in zip(
-            flat_params, flat_updates, flat_buffers, strict=True
+        new_bits: list[Any] = []
+        new_floats: list[Any] = []
+        for (path, param), update, bits, floats in zip(
+            flat_params, flat_updates, flat_bits, flat_floats, strict=True
         ):
             dtype = _rounded_dtype(param, path, "kahan_summation")
-            if (dtype is None) != (buffer is None) or (
-                buffer is not None and buffer.dtype == jnp.int16 and dtype != _BF16
-            ):
+            buffer = floats if bits is None else bits
+            if (dtype is None) != (buffer is None) or (bits is not None and dtype != _BF16):
                 raise TypeError(
                     f"kahan_summation.update: the param {path_name(path)} is of dtype "
                     f"{getattr(param, 'dtype', type(param).__name__)}, and the state "
@@ -259,54 +293,30 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 )
             if dtype is None:
                 new_updates.append(update)
-                new_buffers.append(None)
+                new_bits.append(None)
+                new_floats.append(None)
                 continue
-            if buffer.dtype == jnp.int16:
-                rounded, kept = add_in_float32(param, buffer, _float32(update))
+            if bits is not None:
+                total, rounded = add_in_float32(param, bits, _float32(update))
             else:
-                rounded, kept = add_compensated(param, buffer, _float32(update), dtype)
-            new_updates.append(update_to(rounded, param))
-            new_buffers.append(kept)
+                total, rounded = add_compensated(param, floats, _float32(update), dtype)
+            rounded = saturated(rounded, total)
+            new_update, weight = narrowed(rounded, param, _update_dtype(update))
+            new_updates.append(new_update)
+            new_bits.append(None if bits is None else low_bits(total, weight))
+            new_floats.append(None if floats is None else dropped(total, weight, floats.dtype))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
-            KahanSummationState(jax.tree_util.tree_unflatten(treedef, new_buffers)),
+            KahanSummationState(
+                jax.tree_util.tree_unflatten(treedef, new_bits),
+                jax.tree_util.tree_unflatten(treedef, new_floats),
+            ),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def _on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
-    """`key` folded with the device's position along each mesh axis that `value` varies
-    over under `shard_map` (its shard of a sharded leaf); `key` itself elsewhere."""
-    for axis in sorted(varying_axes(value), key=str):
-        key = jax.random.fold_in(key, lax.axis_index(axis))
-    return key
-
-
 # --- checks ---------------------------------------------------------------------------------
-
-
-def _checked_key(key: Any) -> tuple[jax.Array, Any]:
-    """The key's data (uint32) and its implementation, or an error naming `key`."""
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape != ():
-            raise ValueError(
-                f"stochastic_rounding(key=<{describe_array(key)}>): key must be a single "
-                f"PRNG key, got a key array of shape {key.shape}; split keys give one each "
-                "to several transformations"
-            )
-        return jax.random.key_data(key), jax.random.key_impl(key)
-    if isinstance(key, jax.Array | np.ndarray) and key.dtype == jnp.uint32:
-        try:
-            typed = jax.random.wrap_key_data(jnp.asarray(key))
-        except (TypeError, ValueError):
-            typed = None
-        if typed is not None and typed.shape == ():
-            return jax.random.key_data(typed), jax.random.key_impl(typed)
-    raise TypeError(
-        f"stochastic_rounding(key={describe(key)}): key must be a PRNG key such as "
-        f"jax.random.key(0), got {describe_array(key)}"
-    )
 
 
 def _check_params(params: Any, owner: str) -> None:
@@ -328,9 +338,10 @@ def _check_state(state: Any, kind: type, owner: str) -> None:
 def _updates_like(treedef: Any, updates: Any, owner: str) -> list[Any]:
     try:
         flat: list[Any] = treedef.flatten_up_to(updates)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError):
         raise ValueError(
-            f"{owner}.update: the updates do not have the params' structure ({error})"
+            f"{owner}.update: the updates do not have the params' structure: updates "
+            f"{_outline(updates)}, params {_outline(treedef)}"
         ) from None
     return flat
 
@@ -338,12 +349,21 @@ def _updates_like(treedef: Any, updates: Any, owner: str) -> list[Any]:
 def _state_like(treedef: Any, tree: Any, owner: str, field: str) -> list[Any]:
     try:
         flat: list[Any] = treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError):
         raise ValueError(
             f"{owner}.update: the state's {field} does not match the params' structure; was "
-            f"the state made by tx.init(params)? ({error})"
+            f"the state made by tx.init(params)? {field} {_outline(tree)}, params "
+            f"{_outline(treedef)}"
         ) from None
     return flat
+
+
+def _outline(tree: Any) -> str:
+    """A tree (or a treedef) for a message: dtypes and shapes, not values, shortened."""
+    if isinstance(tree, jax.tree_util.PyTreeDef):
+        return describe(tree, 300)
+    shapes = jax.tree.map(lambda leaf: describe_array(leaf), tree)
+    return describe(shapes, 300)
 
 
 def _rounded_dtype(param: Any, path: Any, owner: str) -> np.dtype[Any] | None:
@@ -360,6 +380,13 @@ def _rounded_dtype(param: Any, path: Any, owner: str) -> np.dtype[Any] | None:
             "float16 weights are rounded here (and float32 or wider pass through)"
         )
     return None
+
+
+def _update_dtype(update: Any) -> Any:
+    """The dtype of the updates given back for a leaf: the inner update's if floating (what
+    `optax.apply_if_finite`'s skip gives), else float32."""
+    dtype = jnp.result_type(update)
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
 
 
 def _float32(value: Any) -> jax.Array:

@@ -10,7 +10,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jax_lossscale._axes import varying_axes
+from jax_lossscale._checks import describe, describe_array
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _TWO_TO_32 = float(2**32)
@@ -19,14 +23,14 @@ _TWO_TO_32 = float(2**32)
 def add_in_float32(
     param: jax.Array, low: jax.Array, update: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """The bfloat16 weight and int16 buffer of `(param, low) + update`, added in float32.
+    """The float32 sum `(param, low) + update` and the bfloat16 nearest to it.
 
     `param`'s 16 bits followed by `low` as an offset of the bit pattern are the float32
     value x they were cut from; x + update is rounded to the nearest bfloat16 with ties
-    away from zero (a carry of half a gap), so that the pattern offset the rounding leaves
+    away from zero (a carry of half a gap), so that the pattern offset `low_bits` leaves
     lies in [-2**15, 2**15) and fits int16 exactly. A weight that is zero keeps no negative
     offset (it was set from outside: zero is where the offset from a rounding is
-    non-negative), and a non-finite weight or sum keeps none.
+    non-negative), and a non-finite weight adds none.
     """
     high = lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
     offset = low.astype(jnp.int32)
@@ -36,25 +40,44 @@ def add_in_float32(
     )
     value = jnp.where(jnp.isfinite(param), value, _float32(param))
     total = value + update
-    rounded = round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
-    cut = lax.bitcast_convert_type(rounded, jnp.uint16).astype(jnp.uint32) << 16
+    return total, round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
+
+
+def low_bits(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """The int16 offset of `total`'s float32 pattern from the bfloat16 `weight`'s, none where
+    either is not finite. Clipped to int16: only a weight that is not `total` rounded (one
+    that a bfloat16 update moved by about its own size, see `narrowed`) can be further."""
+    cut = lax.bitcast_convert_type(weight, jnp.uint16).astype(jnp.uint32) << 16
     kept = lax.bitcast_convert_type(lax.bitcast_convert_type(total, jnp.uint32) - cut, jnp.int32)
-    kept = jnp.where(jnp.isfinite(rounded), kept, 0)
-    return rounded, kept.astype(jnp.int16)
+    kept = jnp.where(jnp.isfinite(weight) & jnp.isfinite(total), kept, 0)
+    return jnp.clip(kept, -(2**15), 2**15 - 1).astype(jnp.int16)
 
 
 def add_compensated(
     param: jax.Array, buffer: jax.Array, update: jax.Array, dtype: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """The weight of `dtype` nearest to param + (update + buffer), and what it dropped (in
-    the buffer's dtype). An empty buffer (zero) adds nothing, not even a sign: a -0.0
-    update keeps a -0.0 weight as `optax.apply_updates` does."""
+    """The float32 sum param + (update + buffer) and the value of `dtype` nearest to it. An
+    empty buffer (zero) adds nothing, not even a sign: a -0.0 update keeps a -0.0 weight as
+    `optax.apply_updates` does."""
     compensation = _float32(buffer)
     corrected = jnp.where(compensation == 0, update, update + compensation)
     total = _float32(param) + corrected
-    nearest = round_to_nearest(total, dtype)
-    kept = jnp.where(jnp.isfinite(nearest), total - nearest, 0.0)
-    return nearest.astype(dtype), kept.astype(buffer.dtype)
+    return total, round_to_nearest(total, dtype).astype(dtype)
+
+
+def saturated(rounded: jax.Array, total: jax.Array) -> jax.Array:
+    """`rounded`, but the largest finite value of its dtype, with `total`'s sign, where the
+    float32 `total` is finite and `rounded` is not: a sum past the dtype's range (by less
+    than float32's) leaves the weight finite and the rest to the buffer."""
+    largest = jnp.asarray(jnp.finfo(rounded.dtype).max, rounded.dtype)
+    overflowed = jnp.isfinite(total) & ~jnp.isfinite(rounded)
+    return jnp.where(overflowed, jnp.where(total < 0, -largest, largest), rounded)
+
+
+def dropped(total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    """What `weight` lacks of the float32 `total`, in `dtype`; nothing where it is not finite."""
+    weight = _float32(weight)
+    return jnp.where(jnp.isfinite(weight), total - weight, 0.0).astype(dtype)
 
 
 def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -74,7 +97,8 @@ def bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     *rows, length = shape
     words = jax.random.bits(key, (*rows, (length + 1) // 2), jnp.uint32)
     halves = jnp.stack([words & jnp.uint32(0xFFFF), words >> 16], axis=-1).astype(jnp.uint16)
-    return halves.reshape(*rows, -1)[..., :length]
+    # The last axis written out: -1 cannot be inferred where another axis is of size zero.
+    return halves.reshape(*rows, 2 * words.shape[-1])[..., :length]
 
 
 def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -147,19 +171,64 @@ def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
     return gap, inverse_gap
 
 
-def update_to(rounded: jax.Array, param: jax.Array) -> jax.Array:
-    """A float32 update u with `param + u` cast to `param`'s dtype equal to `rounded`.
+def update_to(rounded: jax.Array, param: jax.Array, dtype: Any) -> jax.Array:
+    """An update u of `dtype` with `param + u` cast to `param`'s dtype equal to `rounded`.
 
     `rounded - param` is exact in float32 for two bfloat16 or float16 values near each
     other, and the sum lands on `rounded`. Where they are the same bits (an infinity kept,
-    a weight unchanged), -0.0 keeps the weight as it is, its sign of zero included.
+    a weight unchanged), -0.0 keeps the weight as it is, its sign of zero included. In a
+    `dtype` narrower than float32 the difference is exact unless it is about as large as
+    the weight (a step across zero, or by the weight's own size); `narrowed` tells where
+    such an update lands.
     """
     new, old = rounded.astype(jnp.float32), param.astype(jnp.float32)
     width = {1: jnp.uint8, 2: jnp.uint16}[rounded.dtype.itemsize]
     same = lax.bitcast_convert_type(rounded, width) == lax.bitcast_convert_type(
         param.astype(rounded.dtype), width
     )
-    return jnp.where(same, jnp.float32(-0.0), new - old)
+    return jnp.where(same, jnp.float32(-0.0), new - old).astype(dtype)
+
+
+def narrowed(rounded: jax.Array, param: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """`update_to(rounded, param, dtype)` and the weight `optax.apply_updates` makes of it:
+    `rounded` for a float32 (or wider) update, else the sum rounded to nearest in `param`'s
+    dtype, as the cast in `optax.apply_updates` rounds it."""
+    update = update_to(rounded, param, dtype)
+    if jnp.dtype(dtype).itemsize >= 4:
+        return update, rounded
+    total = _float32(param) + _float32(update)
+    return update, round_to_nearest(total, rounded.dtype).astype(rounded.dtype)
+
+
+def checked_key(key: Any, owner: str) -> tuple[jax.Array, Any]:
+    """The key's data (uint32) and its implementation, or an error naming `key`."""
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"{owner}(key=<{describe_array(key)}>): key must be a single PRNG key, got "
+                f"a key array of shape {key.shape}; split keys give one each to several "
+                "transformations"
+            )
+        return jax.random.key_data(key), jax.random.key_impl(key)
+    if isinstance(key, jax.Array | np.ndarray) and key.dtype == jnp.uint32:
+        try:
+            typed = jax.random.wrap_key_data(jnp.asarray(key))
+        except (TypeError, ValueError):
+            typed = None
+        if typed is not None and typed.shape == ():
+            return jax.random.key_data(typed), jax.random.key_impl(typed)
+    raise TypeError(
+        f"{owner}(key={describe(key)}): key must be a PRNG key such as jax.random.key(0), "
+        f"got {describe_array(key)}"
+    )
+
+
+def on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
+    """`key` folded with the device's position along each mesh axis that `value` varies
+    over under `shard_map` (its shard of a sharded leaf); `key` itself elsewhere."""
+    for axis in sorted(varying_axes(value), key=str):
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    return key
 
 
 def _float32(value: Any) -> jax.Array:

@@ -60,6 +60,7 @@ LONGEST_FILES = (
     "test_value_and_grad.py",
     "test_rl.py",
     "test_bf16_weights.py",
+    "test_low_precision_state.py",
     "test_train_steps.py",
     "test_numerics.py",
     "test_distributed.py",

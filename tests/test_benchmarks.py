@@ -158,6 +158,28 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
     assert steps["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
 
 
+def test_the_low_precision_state_benchmark_runs_its_four_contenders(tmp_path, capsys):
+    from benchmarks import low_precision_state
+
+    path = tmp_path / "state.json"
+    argv = ["--steps", "6", "--block", "3", "--batch", "4", "--context", "4", "--embed", "4",
+            "--hidden", "8", "--step-sizes", "8K", "--step-repeats", "2",
+            "--json", str(path)]  # fmt: skip
+    results = low_precision_state.main(argv)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(results))
+    rows = {row["contender"]: row for row in results["rows"]}
+    assert list(rows) == list(low_precision_state.CONTENDERS)
+    # params, buffer and adamw's moments: 4 + 8, 2 + 2 + 8, 2 + 2 + 4 (scalars spread thin)
+    bytes_per_param = [row["bytes_per_param"] for row in rows.values()]
+    assert bytes_per_param == pytest.approx([12.0, 12.0, 8.0, 8.0], abs=0.05)
+    assert rows["float32 master"]["loss_ratio_to_master"] == 1.0
+    assert rows["bf16 + kahan, bf16 state nearest"]["time_ratio_to_nearest"] == 1.0
+    assert all(row["final_loss"] > 0 and row["step_seconds"] > 0 for row in rows.values())
+    assert results["command"].startswith("python -m benchmarks.low_precision_state --steps 6")
+    assert "bf16 state stochastic" in capsys.readouterr().out
+    assert {row["params"] for row in results["optimizer_step"]} == {8000}
+
+
 def test_the_rl_benchmark_runs_its_mismatch_and_grpo_cases(tmp_path, capsys, monkeypatch):
     from benchmarks import rl
 

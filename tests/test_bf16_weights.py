@@ -227,8 +227,9 @@ def test_wider_and_non_floating_leaves_pass_through_as_the_inner_updates():
         assert new_updates["f32"] is updates["f32"]
         assert new_updates["int"] is updates["int"]
         assert optax.apply_updates(params, new_updates)["bf16"].tolist() == [2.0] * 3
-    assert state.compensation["f32"] is None
-    assert state.compensation["bf16"].dtype == jnp.int16  # the 16 bits below bfloat16
+    assert state.low_bits["f32"] is None
+    assert state.compensation == {"f32": None, "int": None, "bf16": None}
+    assert state.low_bits["bf16"].dtype == jnp.int16  # the 16 bits below bfloat16
 
 
 def float32_samples() -> np.ndarray:
@@ -314,7 +315,7 @@ def test_1000_updates_of_minus_1e_4_stall_at_nearest_and_reach_0_9_with_either_r
 
     kahan, state = jax.jit(run_1000_steps, static_argnums=0)(jls.kahan_summation(), ones_bf16)
     assert kahan.tolist() == [0.8984375] * 3  # the bfloat16 nearest to 0.9
-    assert_bits_equal(float32_of(kahan, state.compensation), float32)  # weight + low bits
+    assert_bits_equal(float32_of(kahan, state.low_bits), float32)  # weight + low bits
     narrow, state = jax.jit(run_1000_steps, static_argnums=0)(jls.kahan_summation(BF16), ones_bf16)
     assert narrow.tolist() == [0.90234375] * 3  # within 0.3% of float32
     assert np.all(np.abs(np.asarray(narrow, F32) - float32) <= 0.01 * float32)
@@ -374,7 +375,7 @@ def small_updates_run(tx):
 def test_the_default_buffer_keeps_the_float32_sum_of_updates_far_below_its_spacing():
     params, state, float32 = small_updates_run(jls.kahan_summation())
     np.testing.assert_allclose(float32, [0.97, 0.98, 0.018, 0.9], rtol=2e-3)
-    assert_bits_equal(float32_of(params, state.compensation), float32)  # bit for bit
+    assert_bits_equal(float32_of(params, state.low_bits), float32)  # bit for bit
     np.testing.assert_array_equal(params, np.asarray(float32).astype(ml_dtypes.bfloat16))
 
 
@@ -406,11 +407,11 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     start = np.asarray(float32_of(weight, low))
     tx = jls.kahan_summation()
     new_updates, state = jax.jit(tx.update)(
-        jnp.asarray(updates), jls.KahanSummationState(jnp.asarray(low)), weight
+        jnp.asarray(updates), jls.KahanSummationState(jnp.asarray(low), None), weight
     )
     new = optax.apply_updates(jnp.asarray(weight), new_updates)
     total = start + updates
-    assert_bits_equal(float32_of(new, state.compensation), jnp.asarray(total))
+    assert_bits_equal(float32_of(new, state.low_bits), jnp.asarray(total))
     tie = (total.view(np.uint32) & 0xFFFF) == 0x8000  # rounded away from zero, not to even
     nearest = np.where(tie, np.nextafter(total, np.sign(total) * np.inf), total)
     np.testing.assert_array_equal(np.asarray(new), nearest.astype(ml_dtypes.bfloat16))
@@ -418,12 +419,12 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     edges = device_array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16)
     low = device_array([0, 0, 0, -5, -5], np.int16)
     edge_updates = device_array([1e38, np.nan, np.inf, 1.0, -0.0])
-    new_updates, state = tx.update(edge_updates, jls.KahanSummationState(low), edges)
+    new_updates, state = tx.update(edge_updates, jls.KahanSummationState(low, None), edges)
     new = np.asarray(optax.apply_updates(edges, new_updates), np.float32)
     assert new[[0, 2, 3]].tolist() == [np.inf, np.inf, 1.0]
     assert np.isnan(new[1])
     assert bits(new[4:].astype(ml_dtypes.bfloat16)).tolist() == [0x8000]  # -0.0 kept
-    assert state.compensation.tolist() == [0, 0, 0, 0, 0]
+    assert state.low_bits.tolist() == [0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("compensation_dtype", [None, F32])
@@ -591,7 +592,7 @@ def test_a_nan_batch_leaves_params_buffer_and_key_bit_for_bit(remedy):
     assert float(jls.get_loss_scale(opt_state)) == 2.0**9
     assert_bits_equal((params, opt_state.inner_state), before)
     if remedy == "kahan":
-        assert (np.asarray(last_state(opt_state).compensation["w"]) != 0).any()
+        assert (np.asarray(last_state(opt_state).low_bits["w"]) != 0).any()
     else:  # the next applied step draws from the key the skipped one left
         assert last_state(opt_state).key.tolist() == before[1][-1].key.tolist()
         _, next_state = step(params, opt_state, batch(2))
@@ -783,3 +784,138 @@ def test_a_float8_weight_is_an_error_naming_its_path():
     tx = jls.stochastic_rounding(jax.random.key(0))
     with pytest.raises(TypeError, match=r"the param \['w'\] is of dtype float8_e4m3fn"):
         tx.update({"w": jnp.asarray(np.ones(2, F32))}, tx.init(params), params)
+
+
+# --- issue 46: empty leaves, bfloat16 updates under apply_if_finite --------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0, 4), (5, 0)])
+def test_a_bfloat16_leaf_with_a_zero_size_axis_passes_through(shape, jit_or_eager):
+    params = {"e": jnp.zeros(shape, BF16), "w": jnp.asarray(np.ones(3, BF16))}
+    grads = {"e": jnp.zeros(shape, F32), "w": jnp.asarray(np.full(3, -0.25, F32))}
+    for tx in (jls.stochastic_rounding(jax.random.key(0)), jls.kahan_summation()):
+        updates, _ = jit_or_eager(tx.update, grads, tx.init(params), params)
+        assert updates["e"].shape == shape
+        assert optax.apply_updates(params, updates)["w"].tolist() == [0.75] * 3
+
+
+def apply_if_finite_steps(remedy, grads, wrap):
+    """`optax.apply_if_finite(optax.chain(sgd(1), remedy))` (inside `loss_scaled` when
+    `wrap`) given `grads` at every step from a bfloat16 1.0; the last step's are NaN."""
+    inner = optax.apply_if_finite(optax.chain(optax.sgd(1.0), remedy), 3)
+    tx = jls.loss_scaled(inner, jls.FixedLossScale(1.0)) if wrap else inner
+
+    def run(params, grads):
+        def step(carry, g):
+            params, state = carry
+            updates, state = tx.update(g, state, params)
+            return (optax.apply_updates(params, updates), state), updates.dtype == g.dtype
+
+        steps = jnp.broadcast_to(grads, (1000, *grads.shape))
+        carry, same_dtype = jax.lax.scan(step, (params, tx.init(params)), steps)
+        before = carry
+        nan_updates, state = tx.update(jnp.full_like(grads, jnp.nan), carry[1], carry[0])
+        return before, (nan_updates, state), same_dtype
+
+    return jax.jit(run)(jnp.asarray(np.ones(3, BF16)), grads)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "loss_scaled"])
+@pytest.mark.parametrize("remedy", ["sr", "kahan"])
+def test_apply_if_finite_takes_bfloat16_updates_as_bare_optax_gives_them(remedy, wrap):
+    make = lambda: (  # noqa: E731
+        jls.stochastic_rounding(jax.random.key(1)) if remedy == "sr" else jls.kahan_summation()
+    )
+    grads = jnp.asarray(np.full(3, 1e-4, BF16))  # 1.0001659e-4
+    (params, state), (nan_updates, nan_state), same_dtype = apply_if_finite_steps(
+        make(), grads, wrap
+    )
+    chain_state = lambda state: (state.inner_state if wrap else state).inner_state  # noqa: E731
+    assert bool(same_dtype.all())
+    assert nan_updates.dtype == BF16
+    assert nan_updates.tolist() == [0.0] * 3
+    assert_bits_equal(chain_state(nan_state), chain_state(state))
+    # the same steps given float32 gradients of the same value land on the same bits
+    (wide, wide_state), _, _ = apply_if_finite_steps(make(), grads.astype(F32), wrap)
+    assert_bits_equal(params, wide)
+    assert_bits_equal(chain_state(state), chain_state(wide_state))
+    if remedy == "kahan":
+        assert params.tolist() == [0.8984375] * 3  # nearest to 1 - 0.10001659
+        last = chain_state(state)[-1]
+        float32 = np.float32(1) - np.float32(1000) * np.float32(grads[0])
+        np.testing.assert_allclose(float32_of(params, last.low_bits), float32, rtol=1e-6)
+    else:
+        assert abs(float(np.mean(np.asarray(params, F32))) - 0.9) < 0.02
+
+
+def test_a_bfloat16_update_across_zero_lands_within_half_a_gap_and_kahan_keeps_the_rest():
+    """A difference as large as the weight is not a bfloat16 value (3 of 20,000 steps of
+    sgd across zero on weights and gradients of about 1e-3): its update misses the rounded
+    sum by a gap, and a float32 buffer keeps what the weight it lands on lacks."""
+    params = jnp.asarray(np.array([3.6716461181640625e-05, 0.5], BF16))
+    grads = jnp.asarray(np.array([0.00015926361083984375, 0.75], BF16))
+    total = np.asarray(params, F32) - np.asarray(grads, F32)
+    tx = optax.chain(optax.sgd(1.0), jls.kahan_summation(F32))
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert updates.dtype == BF16
+    new = np.asarray(optax.apply_updates(params, updates), F32)
+    assert new.tolist() == [-0.000121593475341796875, -0.25]
+    assert total.astype(BF16).astype(F32).tolist() == [-0.0001220703125, -0.25]  # nearest
+    np.testing.assert_array_equal(new + np.asarray(state[1].compensation), total)
+    updates, state = tx.update(grads.astype(F32), tx.init(params), params)  # float32: exact
+    assert optax.apply_updates(params, updates).tolist() == [-0.0001220703125, -0.25]
+
+
+def test_a_float16_buffer_for_a_bfloat16_weight_is_an_error_naming_it():
+    """A float16 buffer stalls small bfloat16 weights (0.001 - 1e-9 x 20,000 stayed 0.000999)
+    and overflows for large ones (3e8 became inf): issue 46, item 9."""
+    params = {"w": jnp.asarray(np.ones(3, BF16)), "h": jnp.asarray(np.ones(3, F16))}
+    with pytest.raises(ValueError, match=r"float16 buffer cannot hold .* bfloat16 param \['w'\]"):
+        jls.kahan_summation(F16).init(params)
+    assert jls.kahan_summation(F16).init({"h": params["h"]}).compensation["h"].dtype == F16
+    with pytest.raises(ValueError, match=r"bfloat16 buffer cannot hold .* float16 param \['h'\]"):
+        jls.kahan_summation(BF16).init(params)
+    assert jls.kahan_summation(F32).init(params).compensation["w"].dtype == F32
+
+
+@pytest.mark.parametrize("remedy", ["sr", "kahan"])
+def test_updates_of_another_structure_are_an_error_with_shapes_not_values(remedy):
+    tx = jls.stochastic_rounding(jax.random.key(0)) if remedy == "sr" else jls.kahan_summation()
+    params = {"w": jnp.asarray(np.ones(300, BF16))}
+    with pytest.raises(ValueError, match="the updates do not have the params' structure") as e:
+        tx.update(jnp.asarray(np.ones(300, F32)), tx.init(params), params)
+    message = str(e.value)
+    assert "dtype float32 and shape (300,)" in message
+    assert len(message) < 250  # 1.4k characters with the values printed
+
+
+@pytest.mark.parametrize("compensation_dtype", [None, F32])
+def test_a_sum_past_the_largest_bfloat16_stays_finite_and_comes_back(compensation_dtype):
+    """Updates that carry the float32 sum past bfloat16's largest value plus half a gap
+    (finite in float32) leave the weight at the largest value, and it follows the sum back
+    down, where it once became infinite for good."""
+    largest = np.float32(jnp.finfo(jnp.bfloat16).max)  # 3.3895e38; half a gap more: 3.3961e38
+    updates = [np.float32(1e35)] * 10 + [np.float32(-1e35)] * 100
+    params = device_array([largest], BF16)
+    tx = jls.kahan_summation(compensation_dtype)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    weights = []
+    for update in updates:
+        new_updates, state = step(jnp.full(1, update), state, params)
+        params = optax.apply_updates(params, new_updates)
+        weights.append(np.asarray(params, F32)[0])
+    # The float32 sum, which the int16 buffer caps at half a gap above the largest value
+    # (the pattern 0x7F7F7FFF) and a float32 buffer keeps whole.
+    cap = np.array([0x7F7F7FFF], np.uint32).view(np.float32)[0]
+    total = largest
+    for update in updates:
+        total = np.float32(total + update)
+        total = min(total, cap) if compensation_dtype is None else total
+    assert np.float32(largest + 10 * np.float32(1e35)) > 3.3961e38  # past half a gap
+    assert np.isfinite(weights).all()
+    assert weights[:10] == [largest] * 10
+    assert weights[-1] == np.float32(total).astype(ml_dtypes.bfloat16).astype(F32)
+    assert 3.2e38 < weights[-1] < 3.3e38
+    nearest = optax.apply_updates(device_array([largest], BF16), jnp.full(1, np.float32(1e35)))
+    assert np.asarray(nearest, F32)[0] == largest  # nearest rounding stays finite too

@@ -619,3 +619,34 @@ def test_a_checkpoint_of_the_earlier_spike_window_layout_restores_and_resumes(tm
     _assert_bitwise_equal((restored["params"], resumed_state), (saved_params, saved_state))
     resumed = _run(step, restored["params"], resumed_state, range(8, STEPS))[:2]
     _assert_bitwise_equal(resumed, (final_params, final_state))
+
+
+# --- issue 46: a Kahan buffer of another kind is refused, not cast ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("saved_dtype", "target_dtype", "missing"),
+    [
+        (None, jnp.float32, "compensation"),
+        (None, jnp.bfloat16, "compensation"),
+        (jnp.float32, None, "low_bits"),
+        (jnp.bfloat16, None, "low_bits"),
+    ],
+)
+def test_a_kahan_buffer_restored_into_another_kind_is_a_structure_error(
+    tmp_path, saved_dtype, target_dtype, missing
+):
+    params = {"w": jnp.asarray(np.linspace(1, 2, 6, dtype=np.float32).astype(jnp.bfloat16))}
+    saved_tx = optax.chain(optax.sgd(1e-4), jls.kahan_summation(saved_dtype))
+    step = jax.jit(lambda p, s: saved_tx.update(jax.tree.map(jnp.ones_like, p), s, p))
+    _, opt_state = step(params, saved_tx.init(params))
+    if saved_dtype is None:  # the low bits of the sum: up to 2**15 as values
+        assert np.abs(np.asarray(opt_state[1].low_bits["w"])).max() > 1000
+    target_tx = optax.chain(optax.sgd(1e-4), jls.kahan_summation(target_dtype))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", opt_state)
+        checkpointer.wait_until_finished()
+        with pytest.raises(ValueError, match=rf"Structure mismatch: .*'{missing}', 'w'"):
+            checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(target_tx.init, params))
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(saved_tx.init, params))
+    assert_bits_equal(restored, opt_state)

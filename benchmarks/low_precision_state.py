@@ -1,0 +1,226 @@
+"""Optimizer state in bfloat16: `low_precision_state` on the model of `benchmarks.bf16_weights`.
+
+The character-level MLP language model of `benchmarks.bf16_weights` (computing in bfloat16,
+the loss in float32), trained by `optax.adamw` for `--steps` steps on the same batches:
+
+- `float32 master`: float32 params and adamw state;
+- `bf16 + kahan, float32 state`: bfloat16 params, `jls.kahan_summation()` last in the chain,
+  adamw's moments float32 (`jls.low_precision_state(adamw, jnp.float32)`: optax makes them
+  in the params' dtype, bfloat16 rounded to nearest, unless told);
+- `bf16 + kahan, bf16 state nearest`: the same, adamw inside
+  `jls.low_precision_state(..., rounding="nearest")`;
+- `bf16 + kahan, bf16 state stochastic`: the same, rounded stochastically.
+
+Reported: the mean training loss over the last tenth of the steps and its ratio to the float32
+master's, the median seconds a step (the runs take turns block by block), and the bytes of
+params and optimizer state a parameter. Then the optimizer step alone (`tx.update` and
+`optax.apply_updates`, jitted, donated) at `--step-sizes` bfloat16 parameters in 8 leaves, for
+the three bfloat16 contenders, timed in turns (`benchmarks.measure.block_medians`). Run:
+
+    python -m benchmarks.low_precision_state --json benchmarks/results/low-precision-state-cpu.json
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jax_lossscale as jls
+from benchmarks import bf16_weights, gpt
+from benchmarks.measure import (
+    Runner,
+    block_medians,
+    default_path,
+    machine,
+    parse_count,
+    write_results,
+)
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+CONTENDERS = (
+    "float32 master",
+    "bf16 + kahan, float32 state",
+    "bf16 + kahan, bf16 state nearest",
+    "bf16 + kahan, bf16 state stochastic",
+)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.low_precision_state")
+    parser.add_argument("--steps", type=int, default=2000, help="training steps of each run")
+    parser.add_argument("--block", type=int, default=50, help="steps of one run in a row")
+    parser.add_argument("--batch", type=int, default=1024, help="windows per step")
+    parser.add_argument("--context", type=int, default=16)
+    parser.add_argument("--embed", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument(
+        "--step-sizes",
+        type=lambda text: [parse_count(item) for item in text.split(",") if item.strip()],
+        default="1M,4M",
+        help="parameter counts of the optimizer step alone, comma-separated ('' for none)",
+    )
+    parser.add_argument("--step-repeats", type=int, default=30, help="timed steps of each")
+    parser.add_argument("--json", default=None, help="where to write the results")
+    args = parser.parse_args(argv)
+    results = {
+        "machine": machine(),
+        "command": " ".join(["python -m benchmarks.low_precision_state", *(argv or [])]),
+        **measure(args),
+        "optimizer_step": measure_optimizer_steps(args),
+    }
+    print(table(results), flush=True)
+    write_results(results, args.json or default_path("low-precision-state-"))
+    return results
+
+
+def optimizers(learning_rate: float, weight_decay: float) -> dict[str, tuple[Any, Any]]:
+    """Each contender's param dtype and optimizer."""
+    adamw = optax.adamw(learning_rate, weight_decay=weight_decay)
+    key = jax.random.key(1)
+    return {
+        "float32 master": (F32, adamw),
+        # optax makes adam's moments in the params' dtype: float32 ones need a float32 state
+        "bf16 + kahan, float32 state": (
+            BF16,
+            optax.chain(jls.low_precision_state(adamw, F32), jls.kahan_summation()),
+        ),
+        "bf16 + kahan, bf16 state nearest": (
+            BF16,
+            optax.chain(jls.low_precision_state(adamw, rounding="nearest"), jls.kahan_summation()),
+        ),
+        "bf16 + kahan, bf16 state stochastic": (
+            BF16,
+            optax.chain(jls.low_precision_state(adamw, key=key), jls.kahan_summation()),
+        ),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
+    inputs, targets = bf16_weights.windows(tokens, args)
+    master = bf16_weights.init_params(vocab, args.context, args.embed, args.hidden)
+    states, steps = {}, {}
+    for name, (dtype, tx) in optimizers(args.learning_rate, args.weight_decay).items():
+        params = jls.cast_tree(master, dtype)
+        states[name] = (params, tx.init(params))
+        steps[name] = bf16_weights.train_step_of(tx)
+    size = sum(leaf.size for leaf in jax.tree.leaves(master))
+    held = {
+        name: sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / size
+        for name, state in states.items()
+    }
+    losses: dict[str, list[Any]] = {name: [] for name in states}
+    times: dict[str, list[float]] = {name: [] for name in states}
+    for start in range(0, args.steps, args.block):
+        for name in states:
+            for t in range(start, min(start + args.block, args.steps)):
+                begin = time.perf_counter()
+                params, opt_state, loss = steps[name](*states[name], inputs[t], targets[t])
+                loss.block_until_ready()
+                if t > start:
+                    times[name].append(time.perf_counter() - begin)
+                states[name] = (params, opt_state)
+                losses[name].append(loss)
+    tail = max(args.steps // 10, 1)
+    final = {name: float(np.mean(np.asarray(values[-tail:]))) for name, values in losses.items()}
+    step_time = {name: statistics.median(values) for name, values in times.items()}
+    reference = "bf16 + kahan, bf16 state nearest"
+    return {
+        "model": {"params": size, "steps": args.steps, "batch": args.batch},
+        "rows": [
+            {
+                "contender": name,
+                "final_loss": final[name],
+                "loss_ratio_to_master": final[name] / final["float32 master"],
+                "step_seconds": step_time[name],
+                "time_ratio_to_nearest": step_time[name] / step_time[reference],
+                "bytes_per_param": held[name],
+            }
+            for name in CONTENDERS
+        ],
+    }
+
+
+def measure_optimizer_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The optimizer step alone at each of `args.step_sizes` bfloat16 parameters."""
+    contenders = {
+        name: tx
+        for name, (dtype, tx) in optimizers(args.learning_rate, args.weight_decay).items()
+        if dtype == BF16
+    }
+
+    def step_of(tx: Any) -> Any:
+        def step(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    rows = []
+    for size in args.step_sizes:
+        shape = (8, size // 8 // 1000, 1000)
+        params = [jnp.full(shape[1:], 0.5, BF16) for _ in range(shape[0])]
+        keys = jax.random.split(jax.random.key(2), shape[0])
+        grads = [jax.random.normal(key, shape[1:], BF16) * 1e-3 for key in keys]
+        runners = {
+            name: Runner(step_of(tx), tx.init, params, grads) for name, tx in contenders.items()
+        }
+        held = {
+            name: sum(leaf.nbytes for leaf in jax.tree.leaves((params, runner.state)))
+            / (8 * shape[1] * shape[2])
+            for name, runner in runners.items()
+        }
+        medians, _ = block_medians(runners, args.step_repeats, block=5)
+        nearest = medians["bf16 + kahan, bf16 state nearest"]
+        rows.extend(
+            {
+                "params": 8 * shape[1] * shape[2],
+                "contender": name,
+                "step_seconds": medians[name],
+                "time_ratio_to_nearest": medians[name] / nearest,
+                "bytes_per_param": held[name],
+            }
+            for name in contenders
+        )
+    return rows
+
+
+def table(results: dict[str, Any]) -> str:
+    model = results["model"]
+    lines = [
+        f"\n## low-precision-state: MLP LM, {model['params'] / 1e3:g}K params, adamw, "
+        f"{model['steps']} steps",
+        "contender | final loss (vs float32 master) | step (vs bf16 state nearest) | bytes/param",
+        "--- | --- | --- | ---",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"{row['contender']} | {row['final_loss']:.4f} ({row['loss_ratio_to_master']:.3f}x)"
+            f" | {row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
+            f" | {row['bytes_per_param']:.1f}"
+        )
+    if results.get("optimizer_step"):
+        lines += [
+            "\n## the optimizer step alone (adamw + kahan, bfloat16 params in 8 leaves, donated)",
+            "params | contender | step (vs bf16 state nearest) | bytes/param",
+            "--- | --- | --- | ---",
+        ]
+        for row in results["optimizer_step"]:
+            lines.append(
+                f"{row['params'] / 1e6:g}M | {row['contender']} | "
+                f"{row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
+                f" | {row['bytes_per_param']:.1f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Optimizer state in low precision: `low_precision_state` (issue 46).
+
+The stall is adam's `nu` under constant gradients of 1e-3 (b2 = 0.999): its increments
+`(1 - b2) * g**2 = 1e-9` fall below half a bfloat16 gap once `nu` reaches 2**-22, where
+nearest rounding stops it; stochastic rounding keeps them in expectation.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_lossscale as jls
+
+from helpers import assert_bits_equal, bits, device_array
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+STEPS = 6000
+SIZE = 256
+
+
+@functools.cache
+def constant_gradient_run(rounding):
+    """adam's state after 6,000 steps of gradients 1e-3 on 256 entries, and the next update:
+    in float32 (rounding None) or stored in bfloat16."""
+    adam = optax.adam(1e-3)
+    tx = adam if rounding is None else jls.low_precision_state(adam, rounding=rounding)
+    params = jnp.zeros(SIZE)
+    grads = jnp.full(SIZE, 1e-3)
+
+    @jax.jit
+    def run():
+        state = jax.lax.fori_loop(
+            0, STEPS, lambda _, state: tx.update(grads, state, params)[1], tx.init(params)
+        )
+        return state, tx.update(grads, state, params)[0]
+
+    return run()
+
+
+def test_nearest_rounding_stalls_adams_nu_and_stochastic_rounding_follows_float32():
+    wide, wide_updates = constant_gradient_run(None)
+    nu = np.asarray(wide[0].nu)
+    np.testing.assert_allclose(nu, 9.9754e-7, rtol=1e-4)
+
+    nearest, nearest_updates = constant_gradient_run("nearest")
+    assert nearest.inner_state[0].nu.dtype == BF16
+    assert np.asarray(nearest.inner_state[0].nu, F32).tolist() == [2.0**-22] * SIZE  # 24%
+    # mu stalls too (at 2**-10, 0.98 of 1e-3): the step is 1.999 times float32's
+    np.testing.assert_allclose(nearest_updates, 2 * np.asarray(wide_updates), rtol=1e-3)
+
+    stochastic, stochastic_updates = constant_gradient_run("stochastic")
+    got = np.asarray(stochastic.inner_state[0].nu, F32)
+    assert abs(got.mean() / nu[0] - 1) < 0.005
+    assert np.all(np.abs(got / nu - 1) < 0.03)
+    assert np.mean(np.abs(got / nu - 1) < 0.02) > 0.95
+    np.testing.assert_allclose(stochastic_updates, wide_updates, rtol=0.02)
+
+
+def test_in_a_cosine_schedules_tail_nearest_rounding_keeps_nu_5_7_times_too_large():
+    """Gradients of 1e-3 decaying to 1e-5 (`optax.cosine_decay_schedule`, alpha 0.01): nu's
+    decrements fall below half a gap, and nearest rounding holds it where the stall began."""
+    schedule = optax.cosine_decay_schedule(1e-3, STEPS, alpha=0.01)
+    params = jnp.zeros(SIZE)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def nu_after(tx):
+        step = lambda t, state: tx.update(jnp.full(SIZE, schedule(t)), state, params)[1]  # noqa: E731
+        state = jax.lax.fori_loop(0, STEPS, step, tx.init(params))
+        return jax.tree.leaves(state)[-1].astype(F32)
+
+    wide = float(nu_after(optax.adam(1e-3))[0])
+    np.testing.assert_allclose(wide, 4.1516e-8, rtol=1e-3)
+    nearest = nu_after(jls.low_precision_state(optax.adam(1e-3), rounding="nearest"))
+    assert np.asarray(nearest).tolist() == [2.0**-22] * SIZE  # 5.74 times float32's
+    stochastic = np.asarray(nu_after(jls.low_precision_state(optax.adam(1e-3))))
+    assert abs(stochastic.mean() / wide - 1) < 0.005
+    assert np.abs(stochastic / wide - 1).max() < 0.4  # each entry a random walk around it
+
+
+def test_the_count_is_untouched_and_floating_leaves_are_stored_in_bfloat16():
+    for rounding in ("nearest", "stochastic"):
+        state = constant_gradient_run(rounding)[0]
+        adam = state.inner_state[0]
+        assert adam.count.dtype == jnp.int32
+        assert int(adam.count) == STEPS + 0  # the next update is not kept
+        assert (adam.mu.dtype, adam.nu.dtype) == (BF16, BF16)
+        assert state.key.dtype == jnp.uint32
+    assert constant_gradient_run("nearest")[0].key.tolist() == [0, 0]  # never split
+
+
+def dtypes_of(tree):
+    return jax.tree.map(lambda leaf: leaf.dtype, tree)
+
+
+def test_a_dtype_function_keeps_nu_float32_and_mu_bfloat16():
+    def dtype(path, leaf):
+        return F32 if "nu" in jax.tree_util.keystr(path) else BF16
+
+    tx = jls.low_precision_state(optax.adam(1e-3), dtype, key=jax.random.key(1))
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3, BF16)}
+    state = tx.init(params)
+    dtypes = dtypes_of(state.inner_state[0])
+    assert dtypes.count == jnp.int32
+    assert dtypes.mu == {"w": BF16, "b": BF16}
+    assert dtypes.nu == {"w": F32, "b": F32}
+    updates, new = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+    assert dtypes_of(new) == dtypes_of(state)
+    assert updates["b"].dtype == F32  # as adam gives them from a float32 nu
+    np.testing.assert_array_equal(new.inner_state[0].nu["w"], np.full((2, 3), 1e-3, F32))
+    keep = jls.low_precision_state(optax.adam(1e-3), lambda path, leaf: None)
+    assert dtypes_of(keep.init(params).inner_state) == dtypes_of(optax.adam(1e-3).init(params))
+
+
+def test_apply_if_finite_skips_a_nan_step_of_bfloat16_gradients():
+    params = device_array(np.ones(4), BF16)
+    inner = optax.chain(
+        jls.low_precision_state(optax.adam(1e-2)), jls.stochastic_rounding(jax.random.key(2))
+    )
+    tx = optax.apply_if_finite(inner, 3)
+    step = jax.jit(tx.update)
+    updates, state = step(jnp.full(4, 0.5, BF16), tx.init(params), params)
+    assert updates.dtype == BF16
+    # 1 - 1e-2 rounded to one of its neighbours, 0.98828125 or 0.9921875
+    assert set(np.asarray(updates, F32).tolist()) <= {-0.01171875, -0.0078125}
+    skipped, after = step(jnp.full(4, jnp.nan, BF16), state, params)
+    assert skipped.dtype == BF16
+    assert_bits_equal(after.inner_state, state.inner_state)
+
+
+def test_floating_scalars_such_as_injected_hyperparameters_are_kept():
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    tx = jls.low_precision_state(inner, key=jax.random.key(8))
+    params = jnp.zeros(4)
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = jax.jit(tx.update)(device_array(np.full(4, 0.1)), state, params)
+    assert state.inner_state.hyperparams["learning_rate"].dtype == F32
+    assert float(state.inner_state.hyperparams["learning_rate"]) == float(np.float32(1e-3))
+    assert state.inner_state.inner_state[0].nu.dtype == BF16
+
+
+def small_model():
+    params = {"w": device_array(np.linspace(-1, 1, 12).reshape(3, 4), BF16)}
+    adam = jls.low_precision_state(optax.adam(1e-2), key=jax.random.key(7))
+    tx = jls.loss_scaled(
+        optax.chain(adam, jls.kahan_summation()), jls.DynamicLossScale(initial_loss_scale=2.0**8)
+    )
+    return params, tx
+
+
+def test_a_skipped_step_inside_loss_scaled_keeps_the_state_and_its_key_bit_for_bit():
+    params, tx = small_model()
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    grads = {"w": jnp.full((3, 4), 2.0**8 * 1e-2, BF16)}
+    params, state = step(params, tx.init(params), grads)
+    before = (params, state.inner_state)
+    lps = state.inner_state[0]
+    assert lps.inner_state[0].mu["w"].dtype == BF16
+    params, state = step(params, state, {"w": grads["w"].at[1, 2].set(jnp.inf)})
+    assert not bool(jls.get_loss_scale_stats(state).last_step_applied)
+    assert_bits_equal((params, state.inner_state), before)
+    _, after = step(params, state, grads)
+    assert after.inner_state[0].key.tolist() != lps.key.tolist()  # the next step draws
+
+
+def test_an_orbax_checkpoint_restores_and_continues_bit_for_bit(tmp_path):
+    params, tx = small_model()
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    grads = {"w": jnp.full((3, 4), 2.0**8 * 1e-2, BF16)}
+    _, state = step(params, tx.init(params), grads)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: state))
+    assert_bits_equal(restored, state)
+    assert_bits_equal(step(params, restored, grads), step(params, state, grads))
+
+
+def test_a_bfloat16_state_restored_into_a_float32_target_is_widened_exactly(tmp_path):
+    params = jnp.zeros(16)
+    narrow = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(4))
+    wide = jls.low_precision_state(optax.adam(1e-3), F32, key=jax.random.key(4))
+    grads = device_array(np.linspace(1e-3, 3e-3, 16))
+    _, state = jax.jit(narrow.update)(grads, narrow.init(params), params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(wide.init, params))
+    assert restored.inner_state[0].nu.dtype == F32
+    assert_bits_equal(
+        restored, jax.tree.map(lambda x: x.astype(F32) if x.dtype == BF16 else x, state)
+    )
+
+
+def test_a_donated_state_under_jit_and_a_fresh_init_after_it():
+    tx = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(3))
+    params = jnp.zeros(8)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=1)
+    first = tx.init(params)
+    expected = jax.jit(tx.update)(jnp.ones(8), tx.init(params), params)
+    got = step(jnp.ones(8), first, params)
+    assert first.key.is_deleted()  # donated
+    assert_bits_equal(got, expected)
+    assert tx.init(params).key.tolist() == jax.random.key_data(jax.random.key(3)).tolist()
+
+
+def test_under_shard_map_the_shards_of_a_state_leaf_draw_their_own_bits():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    tx = jls.low_precision_state(optax.sgd(1e-3, momentum=0.9))
+    shard = jnp.ones(64)  # every shard the same values: only the bits can tell them apart
+
+    def step(grads):
+        state = tx.init(grads)
+        return tx.update(grads * (1 + 2**-10), state, grads)[1].inner_state[0].trace
+
+    traces = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
+        jnp.tile(shard, 4)
+    )
+    rows = np.asarray(traces, F32).reshape(4, 64)
+    assert len({row.tobytes() for row in rows}) == 4
+    assert set(np.unique(rows).tolist()) == {1.0, 1.0078125}  # the neighbours of 1 + 2**-10
+
+
+def test_a_sharded_state_under_spmd_jit_rounds_as_the_unsharded_state():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    tx = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(5))
+    params = jnp.zeros((64, 8))
+    grads = device_array(np.linspace(1e-3, 2e-3, 64 * 8).reshape(64, 8))
+    update = jax.jit(tx.update)
+    expected = update(grads, tx.init(params), params)
+    replicated = NamedSharding(mesh, P())
+    state = tx.init(params)  # the moments split, the key and the count replicated
+    state = jax.device_put(
+        state, jax.tree.map(lambda leaf: sharding if leaf.ndim == 2 else replicated, state)
+    )
+    got = update(jax.device_put(grads, sharding), state, jax.device_put(params, sharding))
+    assert got[1].inner_state[0].nu.sharding.is_equivalent_to(sharding, 2)
+    assert_bits_equal(got, expected)
+
+
+def test_pmap_replicas_keep_equal_states():
+    devices = jax.devices()[:8]
+    tx = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(6))
+
+    def step(params, state, grads):
+        grads = jax.lax.pmean(grads, "batch")
+        return tx.update(grads, state, params)[1]
+
+    params = jnp.zeros((8, 16))
+    grads = device_array(np.random.default_rng(0).normal(size=(8, 16)) * 1e-3)  # per device
+    state = jax.pmap(tx.init, devices=devices)(params)
+    for _ in range(3):
+        state = jax.pmap(step, axis_name="batch", devices=devices)(params, state, grads)
+    for leaf in jax.tree.leaves(state):
+        leaf_bits = bits(np.asarray(leaf))
+        assert (leaf_bits == leaf_bits[:1]).all()
+    assert np.asarray(state.inner_state[0].nu, F32)[0].min() > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"rounding": "up"}, ValueError, "rounding='up'): rounding must be 'stochastic' or"),
+        ({"dtype": jnp.int8}, ValueError, "(dtype=<class 'jax.numpy.int8'>): the state is"),
+        ({"dtype": "nope"}, TypeError, "(dtype='nope'): the state is stored in jnp.bfloat16"),
+        ({"key": 0}, TypeError, "low_precision_state(key=0): key must be a PRNG key"),
+        ({"rounding": "nearest", "key": 1}, ValueError, 'a key is for rounding="stochastic"'),
+    ],
+)
+def test_a_bad_argument_is_an_error_naming_it(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        jls.low_precision_state(optax.adam(1e-3), **kwargs)
+    assert message in str(raised.value)
+
+
+def test_a_dtype_function_giving_a_bad_dtype_is_an_error_naming_the_leaf():
+    tx = jls.low_precision_state(optax.adam(1e-3), lambda path, leaf: jnp.int32)
+    with pytest.raises(ValueError, match=r"dtype\(\.\.\.\) for \[0\]\.mu="):
+        tx.init(jnp.zeros(3))
+
+
+def test_flax_nnx_optimizer_and_equinox_keep_the_state_in_bfloat16():
+    import equinox as eqx
+    from flax import nnx
+
+    model = nnx.Linear(4, 4, param_dtype=BF16, dtype=BF16, rngs=nnx.Rngs(0))
+    tx = optax.chain(jls.low_precision_state(optax.adamw(1e-3)), jls.kahan_summation())
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.ones((8, 4))
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        grads = nnx.grad(lambda m: jnp.mean(m(x).astype(F32) ** 2))(model)
+        optimizer.update(model, grads)
+
+    before = np.asarray(model.kernel[...], F32)
+    for _ in range(3):
+        train_step(model, optimizer)
+    state = nnx.state(optimizer)
+    dtypes = {leaf.dtype.name for leaf in jax.tree.leaves(state) if leaf.ndim == 2}
+    assert dtypes == {"bfloat16", "int16"}  # the moments, the weights' low bits
+    assert (np.asarray(model.kernel[...], F32) != before).any()
+
+    linear = eqx.nn.Linear(4, 4, key=jax.random.key(0), dtype=BF16)
+    params = eqx.filter(linear, eqx.is_inexact_array)
+    opt_state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)
+    new = eqx.combine(optax.apply_updates(params, updates), linear)
+    assert new.weight.dtype == BF16
+    assert opt_state[0].inner_state[0].mu.weight.dtype == BF16
