@@ -322,3 +322,50 @@ def test_flax_nnx_optimizer_and_equinox_keep_the_state_in_bfloat16():
     new = eqx.combine(optax.apply_updates(params, updates), linear)
     assert new.weight.dtype == BF16
     assert opt_state[0].inner_state[0].mu.weight.dtype == BF16
+
+
+def test_with_stochastic_rounding_in_a_linen_train_state_a_skip_keeps_both_keys():
+    """flax linen's `TrainState` over bfloat16 weights, `stochastic_rounding` after a bfloat16
+    adam state, all inside `loss_scaled`: a NaN batch keeps the weights, the moments and both
+    keys bit for bit; the next finite batch moves them all."""
+    from flax import linen as nn
+    from flax.training import train_state
+
+    model = nn.Dense(4, param_dtype=BF16, dtype=BF16)
+    x = jnp.linspace(-1, 1, 24, dtype=F32).reshape(6, 4)
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = jls.loss_scaled(
+        optax.chain(
+            jls.low_precision_state(optax.adam(1e-2), key=jax.random.key(1)),
+            jls.stochastic_rounding(jax.random.key(2)),
+        ),
+        jls.DynamicLossScale(initial_loss_scale=2.0**8),
+    )
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, x):
+        def loss_fn(params):
+            out = state.apply_fn({"params": params}, x).astype(F32)
+            return jnp.mean(out**2)
+
+        _, grads = jls.value_and_grad(loss_fn, state.opt_state)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    def kept(state):
+        sr, lps = state.opt_state.inner_state[1], state.opt_state.inner_state[0]
+        return jax.device_get((state.params, lps.inner_state, lps.key, sr.key))
+
+    state = train_step(state, x)
+    before = kept(state)
+    assert before[1][0].mu["kernel"].dtype == BF16
+    state = train_step(state, x.at[0, 0].set(jnp.nan))
+    stats = jls.get_loss_scale_stats(state.opt_state)
+    assert not bool(stats.last_step_applied)
+    assert int(stats.nan_skipped_steps) == 1
+    assert_bits_equal(kept(state), before)
+    state = train_step(state, x)
+    after = kept(state)
+    assert bits(after[0]["kernel"]).tolist() != bits(before[0]["kernel"]).tolist()
+    assert after[2].tolist() != before[2].tolist()  # low_precision_state's key
+    assert after[3].tolist() != before[3].tolist()  # stochastic_rounding's
