@@ -21,6 +21,10 @@ What is read off the program (`GpuProgram`):
   program (XLA:GPU splits one in two kernels, and fuses it into nothing).
 * `conditionals`: `conditional` instructions anywhere in the program (each a host sync).
 * `temp_bytes`: XLA's temp buffer, `compiled.memory_analysis().temp_size_in_bytes`.
+* `fresh_outputs`: outputs that alias no donated argument (the module's
+  `input_output_alias`), each a new buffer at every step. XLA:GPU updates each kernel of its
+  command buffer that touches a buffer whose address changed before it launches the graph:
+  with every output written in place, a step with donated state updates none.
 """
 
 import argparse
@@ -50,6 +54,8 @@ _CALLED = re.compile(
     r"|branch_computations=\{([^}]*)\}"
 )
 KERNEL_OPCODES = ("fusion", "custom-call")
+# An entry of the module's `input_output_alias`: `{output index}: (parameter, {index}, kind)`.
+_ALIAS = re.compile(r"\{[\d,]*\}: \(\d+, \{[\d,]*\}, (?:may|must)-alias\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,7 @@ class GpuProgram:
     variadic_reductions: int
     conditionals: int
     temp_bytes: int
+    fresh_outputs: int  # outputs written to a new buffer, not over a donated argument
     text: str = dataclasses.field(repr=False, compare=False)
 
 
@@ -102,7 +109,9 @@ def gpu_program(compiled: Any) -> GpuProgram:
             conditionals += opcode == "conditional"
     kernels = _kernels(computations, entry)
     temp = compiled.memory_analysis().temp_size_in_bytes
-    return GpuProgram(kernels, variadic, conditionals, temp, text)
+    aliased = len(_ALIAS.findall(text.splitlines()[0]))
+    fresh = len(jax.tree.leaves(compiled.out_info)) - aliased
+    return GpuProgram(kernels, variadic, conditionals, temp, fresh, text)
 
 
 def _computations(text: str) -> dict[str, list[tuple[str, str, str]]]:
@@ -204,13 +213,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
             results[f"gpt {args.gpt} / {name}"] = _figures(program)
     from benchmarks import hlo
 
-    columns = ["kernels", "variadic reduce", "conditional", "temp bytes"]
+    columns = ["kernels", "variadic reduce", "conditional", "temp bytes", "fresh outputs"]
     hlo.report(results, columns, args.json)
     return results
 
 
 def _figures(program: GpuProgram) -> dict[str, int]:
-    fields = ("kernels", "variadic_reductions", "conditionals", "temp_bytes")
+    fields = ("kernels", "variadic_reductions", "conditionals", "temp_bytes", "fresh_outputs")
     return {field: getattr(program, field) for field in fields}
 
 

@@ -85,6 +85,17 @@ def test_the_loss_scaled_step_on_an_h100_has_no_conditional_nor_variadic_reducti
     assert program.temp_bytes <= step_program(optimizer, "bare").temp_bytes + GRADIENT_BYTES
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("contender", ["bare", "jax_lossscale"])
+def test_every_output_of_the_donated_step_is_written_over_its_argument(optimizer, contender):
+    """No output is a fresh buffer: the new params and every state leaf, the statistics
+    that no rule reads included, alias their donated arguments, so that XLA:GPU's command
+    buffer finds the same addresses at every step and updates none of its kernels."""
+    program = step_program(optimizer, contender)
+    assert program.fresh_outputs == 0
+    assert program.text.splitlines()[0].count("may-alias") >= LEAVES  # the params at least
+
+
 # Reached: XLA merges kernels that share an operand larger than a scalar, and every leaf's
 # check and update reads the two reciprocal factors of the scale as one pair: the 64 leaves'
 # sums of squares in 8 kernels, their updates in 6 (adam) or 3 (sgd), and the state's

@@ -503,14 +503,16 @@ def test_the_custom_call_reader_finds_what_is_there(platform, target):
 
 
 # Arguments of the lowered GPT step beyond the bare step's 71 (69 donated model and adamw
-# state leaves that the step reads, and the two token arrays): the loss-scale state, the
-# skip statistics and, with `skip_spike_sigmas`, the spike windows.
+# state leaves that the step reads, and the two token arrays): every leaf of the loss-scale
+# state (3 of a DynamicLossScale, 1 of a FixedLossScale), the 7 skip statistics and, with
+# `skip_spike_sigmas`, the 7 leaves of the spike windows. None is left out as unread (which
+# would leave its new value a fresh buffer at every step, not written in place).
 EXTRA_GPT_ARGUMENTS = {
     "bare": 0,
-    "DynamicLossScale": 8,
-    "FixedLossScale": 6,
-    "skip_grad_norm_above": 8,
-    "skip_spike_sigmas": 15,
+    "DynamicLossScale": 10,
+    "FixedLossScale": 8,
+    "skip_grad_norm_above": 10,
+    "skip_spike_sigmas": 17,
 }
 
 
