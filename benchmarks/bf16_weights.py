@@ -271,12 +271,7 @@ def table(results: dict[str, Any]) -> str:
         "contender | final loss (vs float32 master) | step (vs bf16 nearest) | bytes/param",
         "--- | --- | --- | ---",
     ]
-    for row in results["rows"]:
-        lines.append(
-            f"{row['contender']} | {row['final_loss']:.4f} ({row['loss_ratio_to_master']:.3f}x)"
-            f" | {row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
-            f" | {row['bytes_per_param']:.1f}"
-        )
+    lines += training_lines(results["rows"])
     if results.get("optimizer_step"):
         lines += [
             "\n## the optimizer step alone (adamw, bfloat16 params in 8 leaves, donated)",
@@ -289,6 +284,16 @@ def table(results: dict[str, Any]) -> str:
                 f"{row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
             )
     return "\n".join(lines)
+
+
+def training_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The table lines of training runs: final loss, step time and bytes a parameter."""
+    return [
+        f"{row['contender']} | {row['final_loss']:.4f} ({row['loss_ratio_to_master']:.3f}x)"
+        f" | {row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
+        f" | {row['bytes_per_param']:.1f}"
+        for row in rows
+    ]
 
 
 if __name__ == "__main__":

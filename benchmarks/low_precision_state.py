@@ -201,12 +201,7 @@ def table(results: dict[str, Any]) -> str:
         "contender | final loss (vs float32 master) | step (vs bf16 state nearest) | bytes/param",
         "--- | --- | --- | ---",
     ]
-    for row in results["rows"]:
-        lines.append(
-            f"{row['contender']} | {row['final_loss']:.4f} ({row['loss_ratio_to_master']:.3f}x)"
-            f" | {row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
-            f" | {row['bytes_per_param']:.1f}"
-        )
+    lines += bf16_weights.training_lines(results["rows"])
     if results.get("optimizer_step"):
         lines += [
             "\n## the optimizer step alone (adamw + kahan, bfloat16 params in 8 leaves, donated)",
