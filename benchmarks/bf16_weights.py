@@ -28,7 +28,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,12 +151,25 @@ def windows(tokens: np.ndarray, args: argparse.Namespace) -> tuple[np.ndarray, n
 # --- the measurement ------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+class Training(NamedTuple):
+    """What `train` measured of each contender, by name."""
+
+    params: int  # parameters of the model
+    vocab: int
+    bytes_per_param: dict[str, float]  # params and optimizer state, over `params`
+    losses: dict[str, list[Any]]  # one a step
+    final_loss: dict[str, float]  # the mean over the last tenth of the steps
+    step_seconds: dict[str, float]  # the median step, the first of each block not counted
+
+
+def train(args: argparse.Namespace, contenders: dict[str, tuple[Any, Any]]) -> Training:
+    """Trains the MLP from the same master params with each `(params dtype, tx)` of
+    `contenders` on the same windows, taking turns block by block."""
     tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
     inputs, targets = windows(tokens, args)
     master = init_params(vocab, args.context, args.embed, args.hidden)
     states, steps = {}, {}
-    for name, (dtype, tx) in optimizers(args).items():
+    for name, (dtype, tx) in contenders.items():
         params = jls.cast_tree(master, dtype)
         states[name] = (params, tx.init(params))
         steps[name] = train_step_of(tx)
@@ -165,7 +178,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         name: sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / size
         for name, state in states.items()
     }
-    losses: dict[str, list[float]] = {name: [] for name in states}
+    losses: dict[str, list[Any]] = {name: [] for name in states}
     times: dict[str, list[float]] = {name: [] for name in states}
     for start in range(0, args.steps, args.block):
         for name in states:
@@ -180,6 +193,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tail = max(args.steps // 10, 1)
     final = {name: float(np.mean(np.asarray(values[-tail:]))) for name, values in losses.items()}
     step_time = {name: statistics.median(values) for name, values in times.items()}
+    return Training(size, vocab, state_bytes, losses, final, step_time)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    run = train(args, optimizers(args))
+    size, vocab, state_bytes, losses = run.params, run.vocab, run.bytes_per_param, run.losses
+    final, step_time = run.final_loss, run.step_seconds
+    tail = max(args.steps // 10, 1)
     curves = {
         name: [
             float(np.mean(np.asarray(values[i : i + tail]))) for i in range(0, len(values), tail)

@@ -21,18 +21,15 @@ the three bfloat16 contenders, timed in turns (`benchmarks.measure.block_medians
 """
 
 import argparse
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jax_lossscale as jls
-from benchmarks import bf16_weights, gpt
+from benchmarks import bf16_weights
 from benchmarks.measure import (
     Runner,
     block_medians,
@@ -104,34 +101,9 @@ def optimizers(learning_rate: float, weight_decay: float) -> dict[str, tuple[Any
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
-    inputs, targets = bf16_weights.windows(tokens, args)
-    master = bf16_weights.init_params(vocab, args.context, args.embed, args.hidden)
-    states, steps = {}, {}
-    for name, (dtype, tx) in optimizers(args.learning_rate, args.weight_decay).items():
-        params = jls.cast_tree(master, dtype)
-        states[name] = (params, tx.init(params))
-        steps[name] = bf16_weights.train_step_of(tx)
-    size = sum(leaf.size for leaf in jax.tree.leaves(master))
-    held = {
-        name: sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / size
-        for name, state in states.items()
-    }
-    losses: dict[str, list[Any]] = {name: [] for name in states}
-    times: dict[str, list[float]] = {name: [] for name in states}
-    for start in range(0, args.steps, args.block):
-        for name in states:
-            for t in range(start, min(start + args.block, args.steps)):
-                begin = time.perf_counter()
-                params, opt_state, loss = steps[name](*states[name], inputs[t], targets[t])
-                loss.block_until_ready()
-                if t > start:
-                    times[name].append(time.perf_counter() - begin)
-                states[name] = (params, opt_state)
-                losses[name].append(loss)
-    tail = max(args.steps // 10, 1)
-    final = {name: float(np.mean(np.asarray(values[-tail:]))) for name, values in losses.items()}
-    step_time = {name: statistics.median(values) for name, values in times.items()}
+    run = bf16_weights.train(args, optimizers(args.learning_rate, args.weight_decay))
+    size, held = run.params, run.bytes_per_param
+    final, step_time = run.final_loss, run.step_seconds
     reference = "bf16 + kahan, bf16 state nearest"
     return {
         "model": {"params": size, "steps": args.steps, "batch": args.batch},
