@@ -16,7 +16,8 @@ the bytes of params and optimizer state per parameter. The four runs take turns 
 block of `--block` steps, so each timing comes from the same stretch of machine time; the
 first step of a block (after switching programs) is not timed.
 
-Then the optimizer step alone at `--step-sizes` parameters (bfloat16, in 8 leaves):
+Then the optimizer step alone at `--step-sizes` parameters (bfloat16, in 8 leaves), with
+bfloat16 gradients and with float32 ones:
 `tx.update` and `optax.apply_updates` jitted with params and state donated, for adamw
 rounding to nearest and with each remedy last in the chain, taking turns step by step
 `--step-repeats` times; reported: the median and its ratio to rounding to nearest. Run:
@@ -246,34 +247,44 @@ def measure_optimizer_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     }
     rows = []
     for size in args.step_sizes:
-        leaf = max(size // 8, 1)
-        shape = (max(leaf // 1000, 1), min(leaf, 1000))
-        keys = jax.random.split(jax.random.key(2), 8)
-        grads = [jax.random.normal(key, shape, BF16) * 1e-3 for key in keys]
-        states, steps = {}, {}
-        for name, tx in contenders.items():
-            params = [jnp.ones(shape, BF16) * 0.5 for _ in keys]
-            states[name] = (params, tx.init(params))
-            steps[name] = _optimizer_step_of(tx)
-            states[name] = steps[name](*states[name], grads)  # compiled, not timed
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for _ in range(args.step_repeats):
-            for name in contenders:
-                begin = time.perf_counter()
-                states[name] = steps[name](*states[name], grads)
-                jax.block_until_ready(states[name])
-                times[name].append(time.perf_counter() - begin)
-        median = {name: statistics.median(values) for name, values in times.items()}
-        rows.extend(
-            {
-                "params": len(keys) * shape[0] * shape[1],
-                "contender": name,
-                "step_seconds": median[name],
-                "time_ratio_to_nearest": median[name] / median["bf16 nearest"],
-            }
-            for name in contenders
-        )
+        for grads_dtype in (BF16, F32):
+            rows.extend(_optimizer_steps(args, contenders, size, grads_dtype))
     return rows
+
+
+def _optimizer_steps(
+    args: argparse.Namespace, contenders: dict[str, Any], size: int, grads_dtype: Any
+) -> list[dict[str, Any]]:
+    """The optimizer step alone at `size` bfloat16 parameters and gradients of `grads_dtype`
+    (bfloat16, as `jax.grad` gives bfloat16 weights, or float32, as from a float32 loss)."""
+    leaf = max(size // 8, 1)
+    shape = (max(leaf // 1000, 1), min(leaf, 1000))
+    keys = jax.random.split(jax.random.key(2), 8)
+    grads = [(jax.random.normal(key, shape) * 1e-3).astype(grads_dtype) for key in keys]
+    states, steps = {}, {}
+    for name, tx in contenders.items():
+        params = [jnp.ones(shape, BF16) * 0.5 for _ in keys]
+        states[name] = (params, tx.init(params))
+        steps[name] = _optimizer_step_of(tx)
+        states[name] = steps[name](*states[name], grads)  # compiled, not timed
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.step_repeats):
+        for name in contenders:
+            begin = time.perf_counter()
+            states[name] = steps[name](*states[name], grads)
+            jax.block_until_ready(states[name])
+            times[name].append(time.perf_counter() - begin)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    return [
+        {
+            "params": len(keys) * shape[0] * shape[1],
+            "grads": jnp.dtype(grads_dtype).name,
+            "contender": name,
+            "step_seconds": median[name],
+            "time_ratio_to_nearest": median[name] / median["bf16 nearest"],
+        }
+        for name in contenders
+    ]
 
 
 def _optimizer_step_of(tx: optax.GradientTransformation) -> Callable:
@@ -296,12 +307,12 @@ def table(results: dict[str, Any]) -> str:
     if results.get("optimizer_step"):
         lines += [
             "\n## the optimizer step alone (adamw, bfloat16 params in 8 leaves, donated)",
-            "params | contender | step (vs bf16 nearest)",
-            "--- | --- | ---",
+            "params | grads | contender | step (vs bf16 nearest)",
+            "--- | --- | --- | ---",
         ]
         for row in results["optimizer_step"]:
             lines.append(
-                f"{row['params'] / 1e3:g}K | {row['contender']} | "
+                f"{row['params'] / 1e3:g}K | {row['grads']} | {row['contender']} | "
                 f"{row['step_seconds'] * 1e3:.2f} ms ({row['time_ratio_to_nearest']:.2f}x)"
             )
     return "\n".join(lines)

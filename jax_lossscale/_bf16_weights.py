@@ -85,8 +85,9 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
     `optax.apply_updates`: a weight it rounded that comes back in another dtype (float32
     after `eqx.apply_updates`) is an error.
 
-    The state holds the key; each step splits it and draws the bits of each leaf from its
-    own key (16 bits an entry for bfloat16, 32 for float16), the same on every device, so
+    The state holds the key; each step splits it and draws one 32-bit word for each leaf
+    from its own key, which a hash of each entry's position turns into the entry's bits
+    (16 for bfloat16, 32 for float16), the same on every device, so
     replicated params under `pmap` or `shard_map` round alike, and a sharded leaf under SPMD
     `jit` rounds as the unsharded leaf would. Under `shard_map`, a leaf that varies over
     mesh axes (a shard of a weight: its `in_specs` name them) also folds the device's
@@ -95,10 +96,9 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
 
     Args:
       key: a PRNG key, `jax.random.key(seed)` (or a legacy `jax.random.PRNGKey(seed)`).
-        A key made with `impl="rbg"` draws its bits faster on a GPU. The bits depend on
-        the key and the leaf's position in the params only: two transformations given the
-        same key (the groups of an `optax.multi_transform`, say) round the leaves at the
-        same positions with the same bits. Give each its own key
+        The bits depend on the key and the leaf's position in the params only: two
+        transformations given the same key (the groups of an `optax.multi_transform`,
+        say) round the leaves at the same positions with the same bits. Give each its own key
         (`jax.random.split(key)`).
 
     Returns:

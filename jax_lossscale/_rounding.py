@@ -83,22 +83,35 @@ def dropped(total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
 def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`."""
     dtype = jnp.dtype(dtype)
+    bits = uniform_bits(key, jnp.shape(x))
     if dtype == _BF16:
-        return round_bfloat16(x, bits16(key, jnp.shape(x)))
-    bits = jax.random.bits(key, jnp.shape(x), jnp.uint32)
+        return round_bfloat16(x, (bits >> 16).astype(jnp.uint16))
     return round_float16(x, bits)
 
 
-def bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform uint16 draws of `shape`: both halves of half as many 32-bit words, drawn
-    along the last axis (so that a leaf sharded along another axis draws its own words)."""
-    if not shape:
-        return jax.random.bits(key, (), jnp.uint32).astype(jnp.uint16)
-    *rows, length = shape
-    words = jax.random.bits(key, (*rows, (length + 1) // 2), jnp.uint32)
-    halves = jnp.stack([words & jnp.uint32(0xFFFF), words >> 16], axis=-1).astype(jnp.uint16)
-    # The last axis written out: -1 cannot be inferred where another axis is of size zero.
-    return halves.reshape(*rows, 2 * words.shape[-1])[..., :length]
+def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A uint32 array of `shape`, each entry uniform on [0, 2**32) and independent of the
+    same entry's draws under other keys: a bijective integer hash of the entry's position
+    plus one 32-bit word drawn from `key`.
+
+    A hash of a uniform word is uniform, so each entry's draw is exactly uniform and a new
+    key gives it a new, independent one; entries of one draw share the word and are mixed
+    by the hash (xor-shifts and multiplications by odd constants, each a bijection of
+    32-bit words). It costs a few integer operations an entry, where drawing every entry
+    from the key (threefry) costs about a hundred.
+    """
+    word = jax.random.bits(key, (), jnp.uint32)
+    position = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        position = position + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
+            stride % 2**32
+        )
+        stride *= shape[axis]
+    mixed = position + word
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        mixed = (mixed ^ (mixed >> np.uint32(shift))) * np.uint32(multiplier)
+    return mixed ^ (mixed >> np.uint32(16))
 
 
 def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:

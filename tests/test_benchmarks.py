@@ -152,10 +152,15 @@ def test_the_bf16_weights_benchmark_runs_its_four_contenders(tmp_path, capsys):
     assert all(row["final_loss"] > 0 and row["step_seconds"] > 0 for row in rows.values())
     assert results["command"].startswith("python -m benchmarks bf16-weights --steps 6")
     assert "bf16 + stochastic_rounding |" in capsys.readouterr().out
-    steps = {row["contender"]: row for row in results["optimizer_step"]}
-    assert list(steps) == list(bf16_weights.CONTENDERS[1:])
+    steps = {(row["grads"], row["contender"]): row for row in results["optimizer_step"]}
+    assert list(steps) == [
+        (grads, contender)
+        for grads in ("bfloat16", "float32")
+        for contender in bf16_weights.CONTENDERS[1:]
+    ]
     assert {row["params"] for row in steps.values()} == {8000}
-    assert steps["bf16 nearest"]["time_ratio_to_nearest"] == 1.0
+    assert steps["bfloat16", "bf16 nearest"]["time_ratio_to_nearest"] == 1.0
+    assert steps["float32", "bf16 nearest"]["time_ratio_to_nearest"] == 1.0
 
 
 def test_the_low_precision_state_benchmark_runs_its_four_contenders(tmp_path, capsys):

@@ -507,22 +507,35 @@ def test_kahan_keeps_a_negative_zero_weight_on_a_negative_zero_update(compensati
     assert bits(np.asarray(optax.apply_updates(params, updates)))[0] == 0x8000
 
 
-def test_stochastic_rounding_draws_16_bits_a_bfloat16_entry_and_32_a_float16_one():
+def test_stochastic_rounding_draws_one_word_a_leaf_from_its_key_whatever_the_leaf_size():
     tx = jls.stochastic_rounding(jax.random.key(0))
     params = {"b": jnp.asarray(np.ones((4, 1001), BF16)), "h": jnp.asarray(np.ones(10, F16))}
     updates = jax.tree.map(lambda p: jnp.asarray(np.ones(p.shape, F32)), params)
     jaxpr = str(jax.make_jaxpr(tx.update)(updates, tx.init(params), params))
     draws = re.findall(r"random_bits\[bit_width=(\d+) shape=\(([\d, ]*)\)\]", jaxpr)
-    assert sorted(draws) == [("32", "10,"), ("32", "4, 501")]
+    assert sorted(draws) == [("32", ""), ("32", "")]
 
 
-def test_the_bits_of_an_odd_length_or_scalar_bfloat16_leaf_are_uniform_and_all_used():
-    key = jax.random.key(4)
-    draws = np.asarray(_rounding.bits16(key, (3, 2**15 + 1)), np.int64)
-    assert draws.shape == (3, 2**15 + 1)
-    assert 2**15 - 3 * 2**8 < draws.mean() < 2**15 + 3 * 2**8  # uniform on [0, 2**16)
-    assert len(np.unique(draws)) > 0.6 * 2**16
-    assert _rounding.bits16(key, ()).shape == ()
+def test_uniform_bits_are_uniform_in_each_entry_across_keys_and_across_entries():
+    keys = jax.random.split(jax.random.key(4), 4096)
+    shape = (3, 2**15 + 1)
+    draws = np.asarray(jax.vmap(lambda key: _rounding.uniform_bits(key, shape))(keys[:2]))
+    assert draws.shape == (2, *shape)
+    assert draws.dtype == np.uint32
+    high = draws[0] >> 16  # the 16 bits a bfloat16 rounding reads
+    assert 2**15 - 3 * 2**8 < high.mean() < 2**15 + 3 * 2**8
+    assert len(np.unique(high)) > 0.6 * 2**16
+    assert len(np.unique(draws[0])) == draws[0].size  # a bijection of the positions
+    assert (draws[0] != draws[1]).mean() > 0.999  # another key, other draws
+    # One entry over many keys (steps): uniform, and not tied to its neighbour's draws.
+    corner = np.asarray(jax.vmap(lambda key: _rounding.uniform_bits(key, (3, 5))[2, -2:])(keys))
+    for entry in corner.T.astype(np.float64) / 2**32:
+        assert abs(entry.mean() - 0.5) < 4 * (1 / 12 / len(keys)) ** 0.5
+        counts = np.histogram(entry, bins=16, range=(0, 1))[0]
+        assert ((counts - len(keys) / 16) ** 2 / (len(keys) / 16)).sum() < 40  # chi2(15)
+    assert abs(np.corrcoef(corner.T.astype(np.float64))[0, 1]) < 0.07
+    assert _rounding.uniform_bits(keys[0], ()).shape == ()
+    assert _rounding.uniform_bits(keys[0], (0, 5)).shape == (0, 5)
 
 
 def test_one_key_given_to_two_transformations_rounds_matching_leaves_alike():
