@@ -131,11 +131,11 @@ def optimizers(args: argparse.Namespace) -> dict[str, tuple[Any, optax.GradientT
     }
 
 
-def train_step_of(tx: optax.GradientTransformation) -> Callable:
+def train_step_of(tx: optax.GradientTransformation, loss: Callable = loss_fn) -> Callable:
     def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        loss_value, grads = jax.value_and_grad(loss)(params, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss_value
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -152,6 +152,25 @@ def windows(tokens: np.ndarray, args: argparse.Namespace) -> tuple[np.ndarray, n
 # --- the measurement ------------------------------------------------------------------------
 
 
+class Task(NamedTuple):
+    """A model to train: its float32 master params, the loss `(params, inputs, targets)`, and
+    every step's batch, the same for each contender."""
+
+    params: Any
+    loss: Callable[[Any, Any, Any], jax.Array]
+    inputs: np.ndarray  # one batch a step
+    targets: np.ndarray
+    vocab: int
+
+
+def mlp_task(args: argparse.Namespace) -> Task:
+    """The MLP language model of `init_params` and `loss_fn` on `windows` of the text."""
+    tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
+    inputs, targets = windows(tokens, args)
+    master = init_params(vocab, args.context, args.embed, args.hidden)
+    return Task(master, loss_fn, inputs, targets, vocab)
+
+
 class Training(NamedTuple):
     """What `train` measured of each contender, by name."""
 
@@ -163,17 +182,19 @@ class Training(NamedTuple):
     step_seconds: dict[str, float]  # the median step, the first of each block not counted
 
 
-def train(args: argparse.Namespace, contenders: dict[str, tuple[Any, Any]]) -> Training:
-    """Trains the MLP from the same master params with each `(params dtype, tx)` of
-    `contenders` on the same windows, taking turns block by block."""
-    tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
-    inputs, targets = windows(tokens, args)
-    master = init_params(vocab, args.context, args.embed, args.hidden)
+def train(
+    args: argparse.Namespace, contenders: dict[str, tuple[Any, Any]], task: Task | None = None
+) -> Training:
+    """Trains `task` (by default the MLP, `mlp_task`) from the same master params with each
+    `(params dtype, tx)` of `contenders` on the same batches, taking turns block by block,
+    for as many steps as the task has batches."""
+    task = mlp_task(args) if task is None else task
+    master, inputs, targets, vocab = task.params, task.inputs, task.targets, task.vocab
     states, steps = {}, {}
     for name, (dtype, tx) in contenders.items():
         params = jls.cast_tree(master, dtype)
         states[name] = (params, tx.init(params))
-        steps[name] = train_step_of(tx)
+        steps[name] = train_step_of(tx, task.loss)
     size = sum(leaf.size for leaf in jax.tree.leaves(master))
     state_bytes = {
         name: sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / size
@@ -181,9 +202,10 @@ def train(args: argparse.Namespace, contenders: dict[str, tuple[Any, Any]]) -> T
     }
     losses: dict[str, list[Any]] = {name: [] for name in states}
     times: dict[str, list[float]] = {name: [] for name in states}
-    for start in range(0, args.steps, args.block):
+    total = len(inputs)
+    for start in range(0, total, args.block):
         for name in states:
-            for t in range(start, min(start + args.block, args.steps)):
+            for t in range(start, min(start + args.block, total)):
                 begin = time.perf_counter()
                 params, opt_state, loss = steps[name](*states[name], inputs[t], targets[t])
                 loss.block_until_ready()
@@ -191,7 +213,7 @@ def train(args: argparse.Namespace, contenders: dict[str, tuple[Any, Any]]) -> T
                     times[name].append(time.perf_counter() - begin)
                 states[name] = (params, opt_state)
                 losses[name].append(loss)
-    tail = max(args.steps // 10, 1)
+    tail = max(total // 10, 1)
     final = {name: float(np.mean(np.asarray(values[-tail:]))) for name, values in losses.items()}
     step_time = {name: statistics.median(values) for name, values in times.items()}
     return Training(size, vocab, state_bytes, losses, final, step_time)

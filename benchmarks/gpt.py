@@ -3,7 +3,9 @@
 The model: learned token and position embeddings, pre-LayerNorm blocks of causal
 self-attention (separate query, key, value and output projections) and a GELU MLP, a final
 LayerNorm and an output projection. Parameters are float32 master weights; the projections
-and the attention compute in float16; layer norms, the softmax and the loss in float32.
+and the attention compute in float16; layer norms, the softmax and the loss in float32
+(`Size.compute` and `Size.weights` change the first two: bfloat16 weights computing in
+bfloat16 for `benchmarks.low_precision_state`).
 The text is the Python standard library's own source, found on every machine.
 
 `SIZES` holds the two shapes measured: about 0.85M parameters in 70 leaves (4 layers of
@@ -36,6 +38,8 @@ class Size:
     heads: int
     seq: int = 128
     batch: int = 16
+    compute: Any = F16  # the dtype of the projections and the attention
+    weights: Any = F32  # the dtype of every parameter
 
 
 SIZES = {"70 leaves": Size(layers=4, width=128, heads=4), "294 leaves": Size(18, 64, 4)}
@@ -55,38 +59,42 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int) -> ja
 class Block(nnx.Module):
     def __init__(self, size: Size, rngs: nnx.Rngs):
         width = size.width
-        half = {"dtype": F16, "param_dtype": F32, "rngs": rngs}
+        half = {"dtype": size.compute, "param_dtype": size.weights, "rngs": rngs}
+        self.compute = size.compute
         self.heads = size.heads
-        self.norm1 = nnx.LayerNorm(width, dtype=F32, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(width, dtype=F32, param_dtype=size.weights, rngs=rngs)
         self.query = nnx.Linear(width, width, **half)
         self.key = nnx.Linear(width, width, **half)
         self.value = nnx.Linear(width, width, **half)
         self.out = nnx.Linear(width, width, **half)
-        self.norm2 = nnx.LayerNorm(width, dtype=F32, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(width, dtype=F32, param_dtype=size.weights, rngs=rngs)
         self.up = nnx.Linear(width, 4 * width, **half)
         self.down = nnx.Linear(4 * width, width, **half)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.norm1(x).astype(F16)
+        h = self.norm1(x).astype(self.compute)
         attended = causal_attention(self.query(h), self.key(h), self.value(h), self.heads)
         x = x + self.out(attended).astype(F32)
-        h = self.norm2(x).astype(F16)
+        h = self.norm2(x).astype(self.compute)
         return x + self.down(nnx.gelu(self.up(h))).astype(F32)
 
 
 class GPT(nnx.Module):
     def __init__(self, size: Size, vocab: int, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, size.width, dtype=F16, param_dtype=F32, rngs=rngs)
-        self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (size.seq, size.width)))
+        half = {"dtype": size.compute, "param_dtype": size.weights, "rngs": rngs}
+        self.compute = size.compute
+        self.embed = nnx.Embed(vocab, size.width, **half)
+        positions = 0.02 * jax.random.normal(rngs.params(), (size.seq, size.width))
+        self.positions = nnx.Param(positions.astype(size.weights))
         self.blocks = nnx.List([Block(size, rngs) for _ in range(size.layers)])
-        self.norm = nnx.LayerNorm(size.width, dtype=F32, rngs=rngs)
-        self.head = nnx.Linear(size.width, vocab, dtype=F16, param_dtype=F32, rngs=rngs)
+        self.norm = nnx.LayerNorm(size.width, dtype=F32, param_dtype=size.weights, rngs=rngs)
+        self.head = nnx.Linear(size.width, vocab, **half)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed(tokens).astype(F32) + self.positions[...]
+        x = self.embed(tokens).astype(F32) + self.positions[...].astype(F32)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x).astype(F16)).astype(F32)  # logits in float32
+        return self.head(self.norm(x).astype(self.compute)).astype(F32)  # logits in float32
 
 
 def stdlib_text(max_bytes: int = 4_000_000) -> tuple[np.ndarray, int]:

@@ -13,9 +13,13 @@ the loss in float32), trained by `optax.adamw` for `--steps` steps on the same b
 
 Reported: the mean training loss over the last tenth of the steps and its ratio to the float32
 master's, the median seconds a step (the runs take turns block by block), and the bytes of
-params and optimizer state a parameter. Then the optimizer step alone (`tx.update` and
-`optax.apply_updates`, jitted, donated) at `--step-sizes` bfloat16 parameters in 8 leaves, for
-the three bfloat16 contenders, timed in turns (`benchmarks.measure.block_medians`). Run:
+params and optimizer state a parameter. The same four train the GPT-style decoder of
+`benchmarks.gpt` in flax nnx (a nanoGPT-like character model: `--decoder-layers` blocks of
+width `--decoder-width`, computing in bfloat16) for `--decoder-steps` steps of
+`--decoder-batch` windows of `--decoder-seq` characters. Then the optimizer step alone
+(`tx.update` and `optax.apply_updates`, jitted, donated) at `--step-sizes` bfloat16 parameters
+in 8 leaves, for the three bfloat16 contenders, timed in turns (`benchmarks.measure.block_medians`).
+Run:
 
     python -m benchmarks.low_precision_state --json benchmarks/results/low-precision-state-cpu.json
 """
@@ -26,10 +30,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import nnx
 
 import jax_lossscale as jls
-from benchmarks import bf16_weights
+from benchmarks import bf16_weights, gpt
 from benchmarks.measure import (
     Runner,
     block_medians,
@@ -56,6 +62,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=16)
     parser.add_argument("--embed", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--decoder-steps", type=int, default=800, help="the decoder's steps (0: none)"
+    )
+    parser.add_argument("--decoder-layers", type=int, default=4)
+    parser.add_argument("--decoder-width", type=int, default=128)
+    parser.add_argument("--decoder-seq", type=int, default=64)
+    parser.add_argument("--decoder-batch", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument(
@@ -71,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "machine": machine(),
         "command": " ".join(["python -m benchmarks.low_precision_state", *(argv or [])]),
         **measure(args),
+        "decoder": measure_decoder(args) if args.decoder_steps else None,
         "optimizer_step": measure_optimizer_steps(args),
     }
     print(table(results), flush=True)
@@ -102,23 +116,61 @@ def optimizers(learning_rate: float, weight_decay: float) -> dict[str, tuple[Any
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     run = bf16_weights.train(args, optimizers(args.learning_rate, args.weight_decay))
-    size, held = run.params, run.bytes_per_param
-    final, step_time = run.final_loss, run.step_seconds
-    reference = "bf16 + kahan, bf16 state nearest"
     return {
-        "model": {"params": size, "steps": args.steps, "batch": args.batch},
-        "rows": [
-            {
-                "contender": name,
-                "final_loss": final[name],
-                "loss_ratio_to_master": final[name] / final["float32 master"],
-                "step_seconds": step_time[name],
-                "time_ratio_to_nearest": step_time[name] / step_time[reference],
-                "bytes_per_param": held[name],
-            }
-            for name in CONTENDERS
-        ],
+        "model": {"params": run.params, "steps": args.steps, "batch": args.batch},
+        "rows": _rows(run),
     }
+
+
+def measure_decoder(args: argparse.Namespace) -> dict[str, Any]:
+    """The four contenders on the GPT-style decoder, bfloat16 compute, in flax nnx."""
+    tokens, vocab = gpt.stdlib_text(max_bytes=2_000_000)
+    size = gpt.Size(
+        args.decoder_layers,
+        args.decoder_width,
+        heads=4,
+        seq=args.decoder_seq,
+        batch=args.decoder_batch,
+        compute=BF16,
+    )
+    graphdef, master = nnx.split(gpt.GPT(size, vocab, nnx.Rngs(0)))
+    stream = gpt.batches(tokens, size, seed=1)
+    inputs, targets = zip(*(next(stream) for _ in range(args.decoder_steps)), strict=True)
+
+    def loss(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    task = bf16_weights.Task(master, loss, np.stack(inputs), np.stack(targets), vocab)
+    run = bf16_weights.train(args, optimizers(args.learning_rate, args.weight_decay), task)
+    return {
+        "model": {
+            "params": run.params,
+            "leaves": len(jax.tree.leaves(master)),
+            "layers": size.layers,
+            "width": size.width,
+            "seq": size.seq,
+            "batch": size.batch,
+            "steps": args.decoder_steps,
+        },
+        "rows": _rows(run),
+    }
+
+
+def _rows(run: bf16_weights.Training) -> list[dict[str, Any]]:
+    held, final, step_time = run.bytes_per_param, run.final_loss, run.step_seconds
+    reference = "bf16 + kahan, bf16 state nearest"
+    return [
+        {
+            "contender": name,
+            "final_loss": final[name],
+            "loss_ratio_to_master": final[name] / final["float32 master"],
+            "step_seconds": step_time[name],
+            "time_ratio_to_nearest": step_time[name] / step_time[reference],
+            "bytes_per_param": held[name],
+        }
+        for name in CONTENDERS
+    ]
 
 
 def measure_optimizer_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -174,6 +226,16 @@ def table(results: dict[str, Any]) -> str:
         "--- | --- | --- | ---",
     ]
     lines += bf16_weights.training_lines(results["rows"])
+    if results.get("decoder"):
+        decoder = results["decoder"]["model"]
+        lines += [
+            f"\n## the GPT-style decoder, {decoder['params'] / 1e3:g}K params in "
+            f"{decoder['leaves']} leaves, bfloat16 compute, {decoder['steps']} steps",
+            "contender | final loss (vs float32 master) | step (vs bf16 state nearest) "
+            "| bytes/param",
+            "--- | --- | --- | ---",
+            *bf16_weights.training_lines(results["decoder"]["rows"]),
+        ]
     if results.get("optimizer_step"):
         lines += [
             "\n## the optimizer step alone (adamw + kahan, bfloat16 params in 8 leaves, donated)",

@@ -168,8 +168,9 @@ def test_the_low_precision_state_benchmark_runs_its_four_contenders(tmp_path, ca
 
     path = tmp_path / "state.json"
     argv = ["--steps", "6", "--block", "3", "--batch", "4", "--context", "4", "--embed", "4",
-            "--hidden", "8", "--step-sizes", "8K", "--step-repeats", "2",
-            "--json", str(path)]  # fmt: skip
+            "--hidden", "8", "--step-sizes", "8K", "--step-repeats", "2", "--decoder-steps", "2",
+            "--decoder-layers", "0", "--decoder-width", "8", "--decoder-seq", "8",
+            "--decoder-batch", "2", "--json", str(path)]  # fmt: skip
     results = low_precision_state.main(argv)
     assert json.loads(path.read_text()) == json.loads(json.dumps(results))
     rows = {row["contender"]: row for row in results["rows"]}
@@ -181,8 +182,18 @@ def test_the_low_precision_state_benchmark_runs_its_four_contenders(tmp_path, ca
     assert rows["bf16 + kahan, bf16 state nearest"]["time_ratio_to_nearest"] == 1.0
     assert all(row["final_loss"] > 0 and row["step_seconds"] > 0 for row in rows.values())
     assert results["command"].startswith("python -m benchmarks.low_precision_state --steps 6")
-    assert "bf16 state stochastic" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "bf16 state stochastic" in printed
+    assert "## the GPT-style decoder" in printed
     assert {row["params"] for row in results["optimizer_step"]} == {8000}
+    decoder = results["decoder"]
+    assert decoder["model"]["leaves"] == 6  # embed, positions, the norm's 2, the head's 2
+    rows = {row["contender"]: row for row in decoder["rows"]}
+    assert list(rows) == list(low_precision_state.CONTENDERS)
+    assert [row["bytes_per_param"] for row in rows.values()] == pytest.approx(
+        [12.0, 12.0, 8.0, 8.0], abs=0.05
+    )
+    assert all(row["final_loss"] > 0 for row in rows.values())
 
 
 def test_the_rl_benchmark_runs_its_mismatch_and_grpo_cases(tmp_path, capsys, monkeypatch):
