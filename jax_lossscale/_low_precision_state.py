@@ -58,10 +58,11 @@ def low_precision_state(
     (2.4e-7), and the steps it scales are twice too large. A float32 state (`dtype=jnp.float32`)
     is also how to give adam float32 moments for bfloat16 params, which optax makes bfloat16.
 
-    The key lives in the state: each step splits it and draws each leaf's bits from its own
-    key, folded under `shard_map` with the device's position along the mesh axes the leaf
-    varies over. A step that `loss_scaled` skips does not reach it and consumes no
-    randomness.
+    The key lives in the state: each step splits it and draws one 32-bit word for each leaf
+    from its own key (folded under `shard_map` with the device's position along the mesh
+    axes the leaf varies over), which a hash of each entry's position turns into the entry's
+    bits, as `stochastic_rounding` does. A step that `loss_scaled` skips does not reach it
+    and consumes no randomness.
 
     Args:
       inner: the optax transformation whose state is stored narrow (`optax.adam(...)`).
