@@ -14,7 +14,13 @@ Each contender is timed two ways, in interleaved rounds, medians reported:
 
 * pipelined, as a training loop runs: `--gpu-pipeline` steps dispatched, then one block,
   the time divided by the steps (`values`, `ratio_to_bare`);
-* per call, each step blocked on (`per_call`, `per_call_ratio_to_bare`).
+* per call, each step blocked on (`per_call`, `per_call_ratio_to_bare`);
+
+then profiled (`benchmarks/profile.py`), `--gpu-pipeline` steps pipelined under
+`jax.profiler`: microseconds a step on the host (XLA:GPU's `ExecuteThunks`, of which its
+command buffers') and on the device (`profile`). Run the set with
+`XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true`, or XLA:GPU profiles its
+command buffers' kernels one by one.
 
 The constant scale is an argument of its one compiled step, so the sweep costs no compile.
 """
@@ -29,7 +35,7 @@ import optax
 from flax import nnx
 
 from benchmarks import contenders as contenders_module
-from benchmarks import gpt
+from benchmarks import gpt, profile
 from benchmarks.measure import (
     OPTIMIZERS,
     Runner,
@@ -192,4 +198,21 @@ def _timed_row(optimizer, size, leaves, runners: dict[str, _Pipelined], args) ->
     calls = {name: statistics.median(values) for name, values in per_call.items()}
     row["per_call"] = calls
     row["per_call_ratio_to_bare"] = {name: value / calls["bare"] for name, value in calls.items()}
+    row["profile"] = {
+        name: profile.per_step(runner.pipelined, args.gpu_pipeline)
+        for name, runner in runners.items()
+    }
     return row
+
+
+def profile_table(case: str, rows: list[dict]) -> str:
+    """The profiled microseconds a step of each contender: host, command buffers, device."""
+    lines = [f"\n## {case}: host / command buffers / device, us a step (jax.profiler)"]
+    for row in rows:
+        cells = []
+        for name, times in row["profile"].items():
+            figures = [times[key] for key in ("host_us", "command_buffer_us", "device_us")]
+            shown = " / ".join("-" if value is None else f"{value:.0f}" for value in figures)
+            cells.append(f"{name} {shown}")
+        lines.append(f"{row['optimizer']} | " + " | ".join(cells))
+    return "\n".join(lines)

@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.gpu:  # the GPU case set, benchmarks/gpu.py
         for name, rows in gpu.run_gpu(args).items():
             results["cases"][name] = rows
-            print(table(name, rows), flush=True)
+            print(table(name, rows), gpu.profile_table(name, rows), sep="\n", flush=True)
         write_results(results, args.json or gpu.DEFAULT_PATH)
         return results
     for case in args.cases:

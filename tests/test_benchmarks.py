@@ -2,12 +2,13 @@
 
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
 
-from benchmarks import gpt, run
+from benchmarks import gpt, profile, run
 
 CONTENDERS = ["bare", "jax_lossscale", "jmp", "flax", "optax.apply_if_finite"]
 GPT_CONTENDERS = [
@@ -250,7 +251,44 @@ def test_the_gpu_case_set_runs_every_contender_pipelined_and_per_call(tmp_path, 
     for row in (step, gpt_row, sweep):
         assert row["ratio_to_bare"]["bare"] == row["per_call_ratio_to_bare"]["bare"] == 1.0
         assert all(value > 0 for value in [*row["values"].values(), *row["per_call"].values()])
-    assert "## gpu_scale_sweep (s, ratio to bare)" in capsys.readouterr().out
+        assert list(row["profile"]) == list(row["values"])
+        for times in row["profile"].values():  # on the CPU: PjRt's execution, no device
+            assert times["host_event"] == "ExecuteHelper"
+            assert times["host_us"] > 0
+            assert times["command_buffer_us"] is times["device_us"] is None
+    printed = capsys.readouterr().out
+    assert "## gpu_scale_sweep (s, ratio to bare)" in printed
+    assert "## gpu_step: host / command buffers / device, us a step (jax.profiler)" in printed
+
+
+def test_the_profile_reads_xla_gpus_host_and_device_events_a_step():
+    def plane(name, lines):
+        return SimpleNamespace(
+            name=name, lines=[SimpleNamespace(name=line, events=events) for line, events in lines]
+        )
+
+    def events(*pairs):
+        return [SimpleNamespace(name=name, duration_ns=ns) for name, ns in pairs]
+
+    thunks, buffer = "GpuExecutable::ExecuteThunks", "command_buffer_1"
+    host = plane("/host:CPU", [
+        ("python", events(("PjitFunction(step)", 50_000),
+                          ("CommonPjRtLoadedExecutable::ExecuteHelper", 300_000))),
+        ("executor", events((thunks, 240_000), (buffer, 210_000),
+                            (thunks, 244_000), (buffer, 214_000))),
+    ])  # fmt: skip
+    device = plane("/device:GPU:0", [
+        ("XLA Ops", events(("fusion.1", 99_000))),  # the same kernels again, by op: not counted
+        ("Stream #13(Compute)", events(("loop_add_fusion", 100_000), ("reduce", 60_000),
+                                       ("loop_add_fusion", 100_000), ("reduce", 78_000))),
+    ])  # fmt: skip
+    times = profile.times_per_step(SimpleNamespace(planes=[host, device]), steps=2)
+    assert times == {
+        "host_event": "GpuExecutable::ExecuteThunks",
+        "host_us": 242.0,
+        "command_buffer_us": 212.0,
+        "device_us": 169.0,
+    }
 
 
 def test_the_gpu_case_set_writes_gpu_h100_json_by_default():
