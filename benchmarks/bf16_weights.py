@@ -64,6 +64,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks bf16-weights", description=__doc__)
     parser.add_argument("--platform", default=None, help="cpu, gpu or tpu; default: JAX's")
+    add_training_arguments(parser, step_sizes="160K,1M,4M")
+    return parser.parse_args(argv)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, step_sizes: str) -> None:
+    """The arguments of the MLP's training runs and of the optimizer step alone (at
+    `step_sizes` by default), shared with `benchmarks.low_precision_state`."""
     parser.add_argument("--steps", type=int, default=2000, help="training steps of each run")
     parser.add_argument("--block", type=int, default=50, help="steps of one run in a row")
     parser.add_argument("--batch", type=int, default=1024, help="windows per step")
@@ -75,12 +82,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--step-sizes",
         type=lambda text: [parse_count(item) for item in text.split(",") if item.strip()],
-        default="160K,1M,4M",
+        default=step_sizes,
         help="parameter counts of the optimizer step alone, comma-separated ('' for none)",
     )
     parser.add_argument("--step-repeats", type=int, default=30, help="timed steps of each")
-    parser.add_argument("--json", default=None, help="where to write JSON")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", default=None, help="where to write the results (JSON)")
 
 
 def _command(argv: Sequence[str] | None) -> str:

@@ -41,7 +41,6 @@ from benchmarks.measure import (
     block_medians,
     default_path,
     machine,
-    parse_count,
     write_results,
 )
 
@@ -56,12 +55,7 @@ CONTENDERS = (
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.low_precision_state")
-    parser.add_argument("--steps", type=int, default=2000, help="training steps of each run")
-    parser.add_argument("--block", type=int, default=50, help="steps of one run in a row")
-    parser.add_argument("--batch", type=int, default=1024, help="windows per step")
-    parser.add_argument("--context", type=int, default=16)
-    parser.add_argument("--embed", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=256)
+    bf16_weights.add_training_arguments(parser, step_sizes="1M,4M")
     parser.add_argument(
         "--decoder-steps", type=int, default=800, help="the decoder's steps (0: none)"
     )
@@ -69,16 +63,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--decoder-width", type=int, default=128)
     parser.add_argument("--decoder-seq", type=int, default=64)
     parser.add_argument("--decoder-batch", type=int, default=16)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument(
-        "--step-sizes",
-        type=lambda text: [parse_count(item) for item in text.split(",") if item.strip()],
-        default="1M,4M",
-        help="parameter counts of the optimizer step alone, comma-separated ('' for none)",
-    )
-    parser.add_argument("--step-repeats", type=int, default=30, help="timed steps of each")
-    parser.add_argument("--json", default=None, help="where to write the results")
     args = parser.parse_args(argv)
     results = {
         "machine": machine(),

@@ -41,8 +41,7 @@ def times_per_step(data: Any, steps: int) -> dict[str, Any]:
     """The summed durations (us) a step of the host's execution events, of the command
     buffers' within them, and of the device's stream events, from a `ProfileData`; None for
     what the trace does not have."""
-    host = dict.fromkeys(HOST_EVENTS, 0)
-    found: set[str] = set()
+    host: dict[str, int] = {}
     command_buffers = device = 0
     gpu = False
     for plane in data.planes:
@@ -56,11 +55,10 @@ def times_per_step(data: Any, steps: int) -> dict[str, Any]:
                 for event in line.events:
                     for name in HOST_EVENTS:
                         if name in event.name:
-                            host[name] += event.duration_ns
-                            found.add(name)
+                            host[name] = host.get(name, 0) + event.duration_ns
                     if event.name.startswith("command_buffer"):
                         command_buffers += event.duration_ns
-    event = next((name for name in HOST_EVENTS if name in found), None)
+    event = next((name for name in HOST_EVENTS if name in host), None)
     microseconds = 1e3 * steps
     return {
         "host_event": event,
