@@ -28,6 +28,8 @@ from jax_lossscale._rounding import (
     on_this_shard,
     round_stochastically,
     saturated,
+    update_to,
+    widened,
 )
 
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -160,10 +162,10 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
             if dtype is None:
                 new_updates.append(update)
                 continue
-            total = _float32(param) + _float32(update)
+            total = widened(param) + _float32(update)
             leaf_key = on_this_shard(jax.random.fold_in(step_key, index), total)
             rounded = round_stochastically(total, dtype, leaf_key)
-            new_updates.append(narrowed(rounded, param, _update_dtype(update))[0])
+            new_updates.append(update_to(rounded, param, _update_dtype(update)))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
             StochasticRoundingState(jax.random.key_data(next_key), state.rounded),
@@ -300,7 +302,7 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 total, rounded = add_in_float32(param, bits, _float32(update))
             else:
                 total, rounded = add_compensated(param, floats, _float32(update), dtype)
-            rounded = saturated(rounded, total)
+            rounded = saturated(rounded, total, dtype)
             new_update, weight = narrowed(rounded, param, _update_dtype(update))
             new_updates.append(new_update)
             new_bits.append(None if bits is None else low_bits(total, weight))

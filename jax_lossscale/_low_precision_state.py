@@ -220,4 +220,4 @@ def _stochastic_like(new: Any, old: Any, key: jax.Array) -> Any:
     if not _is_narrow(old):
         return _nearest_like(new, old)
     value = jnp.asarray(new).astype(jnp.float32)
-    return round_stochastically(value, old.dtype, on_this_shard(key, value))
+    return round_stochastically(value, old.dtype, on_this_shard(key, value)).astype(old.dtype)

@@ -3,7 +3,10 @@ remainder kept, and the float32 update that lands a weight on the value chosen.
 
 The rounding is written out in integer and float32 operations rather than left to casts:
 XLA may drop a float32 -> bfloat16 -> float32 pair of casts and keep the float32 value (its
-GPU compiler does, with `xla_allow_excess_precision` on by default).
+GPU compiler does, with `xla_allow_excess_precision` on by default). A rounded value is
+kept as the float32 it equals until it is stored: XLA:CPU counts a cast between float32 and
+bfloat16 as expensive and writes one that several operations read out to memory, which
+splits a remedy's update into several passes and copies of the donated buffers.
 """
 
 from typing import Any
@@ -18,12 +21,33 @@ from jax_lossscale._checks import describe, describe_array
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _TWO_TO_32 = float(2**32)
+_SIGN = np.uint32(0x80000000)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+_INFINITY = np.uint32(0x7F800000)
+_UPPER_HALF = np.uint32(0xFFFF0000)
+
+
+def widened(x: jax.Array) -> jax.Array:
+    """`x` as float32, exactly; a bfloat16 array by moving its bits up (no cast)."""
+    x = jnp.asarray(x)
+    if x.dtype == _BF16:
+        upper = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+        return lax.bitcast_convert_type(upper, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def _pattern(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _value(pattern: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(pattern, jnp.float32)
 
 
 def add_in_float32(
     param: jax.Array, low: jax.Array, update: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """The float32 sum `(param, low) + update` and the bfloat16 nearest to it.
+    """The float32 sum `(param, low) + update` and the bfloat16 nearest to it (as float32).
 
     `param`'s 16 bits followed by `low` as an offset of the bit pattern are the float32
     value x they were cut from; x + update is rounded to the nearest bfloat16 with ties
@@ -32,23 +56,21 @@ def add_in_float32(
     offset (it was set from outside: zero is where the offset from a rounding is
     non-negative), and a non-finite weight adds none.
     """
-    high = lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    high = _pattern(widened(param))
     offset = low.astype(jnp.int32)
-    offset = jnp.where((offset < 0) & ((high & jnp.uint32(0x7FFFFFFF)) == 0), 0, offset)
-    value = lax.bitcast_convert_type(
-        high + lax.bitcast_convert_type(offset, jnp.uint32), jnp.float32
-    )
-    value = jnp.where(jnp.isfinite(param), value, _float32(param))
-    total = value + update
-    return total, round_bfloat16(total, jnp.full(jnp.shape(total), 0x8000, jnp.uint16))
+    magnitude = high & _MAGNITUDE
+    kept = (magnitude < _INFINITY) & ((offset >= 0) | (magnitude != 0))
+    total = _value(high + lax.bitcast_convert_type(jnp.where(kept, offset, 0), jnp.uint32))
+    total = total + update
+    return total, _value(bfloat16_pattern(total, np.uint32(0x8000)))
 
 
 def low_bits(total: jax.Array, weight: jax.Array) -> jax.Array:
-    """The int16 offset of `total`'s float32 pattern from the bfloat16 `weight`'s, none where
-    either is not finite. Clipped to int16: only a weight that is not `total` rounded (one
-    that a bfloat16 update moved by about its own size, see `narrowed`) can be further."""
-    cut = lax.bitcast_convert_type(weight, jnp.uint16).astype(jnp.uint32) << 16
-    kept = lax.bitcast_convert_type(lax.bitcast_convert_type(total, jnp.uint32) - cut, jnp.int32)
+    """The int16 offset of `total`'s float32 pattern from the bfloat16 value `weight`'s (a
+    float32), none where either is not finite. Clipped to int16: only a weight that is not
+    `total` rounded (one that a bfloat16 update moved by about its own size, see
+    `narrowed`) can be further."""
+    kept = lax.bitcast_convert_type(_pattern(total) - _pattern(weight), jnp.int32)
     kept = jnp.where(jnp.isfinite(weight) & jnp.isfinite(total), kept, 0)
     return jnp.clip(kept, -(2**15), 2**15 - 1).astype(jnp.int16)
 
@@ -56,36 +78,37 @@ def low_bits(total: jax.Array, weight: jax.Array) -> jax.Array:
 def add_compensated(
     param: jax.Array, buffer: jax.Array, update: jax.Array, dtype: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """The float32 sum param + (update + buffer) and the value of `dtype` nearest to it. An
-    empty buffer (zero) adds nothing, not even a sign: a -0.0 update keeps a -0.0 weight as
-    `optax.apply_updates` does."""
-    compensation = _float32(buffer)
+    """The float32 sum param + (update + buffer) and the value of `dtype` nearest to it (as
+    float32). An empty buffer (zero) adds nothing, not even a sign: a -0.0 update keeps a
+    -0.0 weight as `optax.apply_updates` does."""
+    compensation = widened(buffer)
     corrected = jnp.where(compensation == 0, update, update + compensation)
-    total = _float32(param) + corrected
-    return total, round_to_nearest(total, dtype).astype(dtype)
+    total = widened(param) + corrected
+    return total, round_to_nearest(total, dtype)
 
 
-def saturated(rounded: jax.Array, total: jax.Array) -> jax.Array:
-    """`rounded`, but the largest finite value of its dtype, with `total`'s sign, where the
-    float32 `total` is finite and `rounded` is not: a sum past the dtype's range (by less
-    than float32's) leaves the weight finite and the rest to the buffer."""
-    largest = jnp.asarray(jnp.finfo(rounded.dtype).max, rounded.dtype)
+def saturated(rounded: jax.Array, total: jax.Array, dtype: Any) -> jax.Array:
+    """`rounded` (a float32 value of `dtype`), but the largest finite value of `dtype`, with
+    `total`'s sign, where the float32 `total` is finite and `rounded` is not: a sum past the
+    dtype's range (by less than float32's) leaves the weight finite and the rest to the
+    buffer."""
+    largest = float(jnp.finfo(dtype).max)
     overflowed = jnp.isfinite(total) & ~jnp.isfinite(rounded)
     return jnp.where(overflowed, jnp.where(total < 0, -largest, largest), rounded)
 
 
 def dropped(total: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
-    """What `weight` lacks of the float32 `total`, in `dtype`; nothing where it is not finite."""
-    weight = _float32(weight)
+    """What `weight` (float32) lacks of the float32 `total`, in `dtype`; nothing where it is
+    not finite."""
     return jnp.where(jnp.isfinite(weight), total - weight, 0.0).astype(dtype)
 
 
 def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
-    """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`."""
-    dtype = jnp.dtype(dtype)
+    """The float32 array `x` rounded stochastically to bfloat16 or float16 with `key`, as
+    the float32 values chosen."""
     bits = uniform_bits(key, jnp.shape(x))
-    if dtype == _BF16:
-        return round_bfloat16(x, (bits >> 16).astype(jnp.uint16))
+    if jnp.dtype(dtype) == _BF16:
+        return _value(bfloat16_pattern(x, bits >> np.uint32(16)))
     return round_float16(x, bits)
 
 
@@ -114,42 +137,43 @@ def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return mixed ^ (mixed >> np.uint32(16))
 
 
-def round_bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
-    """`x` (float32) to bfloat16, up in magnitude where `bits` (uint16) carry into bit 16.
+def bfloat16_pattern(x: jax.Array, bits: jax.Array | np.uint32) -> jax.Array:
+    """The float32 pattern of `x` (float32) cut to bfloat16, up in magnitude where `bits`
+    (below 2**16, uint32) carry into bit 16.
 
     bfloat16 is float32 cut to its upper 16 bits, and the bit patterns of float32 count
     up with the magnitude, subnormals and powers of two included. Adding a uniform 16-bit
     integer r to the pattern and cutting carries the magnitude up exactly when r >= 2**16
     minus the 16 dropped bits: with probability (dropped bits) / 2**16, the distance
     from the neighbour toward zero over the gap, for either sign. The largest finite
-    magnitude carries into the pattern of infinity; NaN is kept as it is.
+    magnitude carries into the pattern of infinity; NaN stays NaN (quiet, its sign and
+    upper payload kept).
     """
-    pattern = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    carried = pattern + bits.astype(jnp.uint32)
-    upper = (carried >> 16).astype(jnp.uint16)
-    rounded = lax.bitcast_convert_type(upper, jnp.bfloat16)
-    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
+    pattern = _pattern(x)
+    nan = (pattern & _MAGNITUDE) > _INFINITY
+    carried = jnp.where(nan, pattern | np.uint32(0x00400000), pattern + bits)
+    return carried & _UPPER_HALF
 
 
 def round_float16(x: jax.Array, bits: jax.Array) -> jax.Array:
-    """`x` (float32) to float16, up in magnitude where `bits` (uint32) fall below the remainder.
+    """`x` (float32) to a float16 value (as float32), up in magnitude where `bits` (uint32)
+    fall below the remainder.
 
     With g the float16 gap at |x| (2**-24 through the subnormals), |x| / g = n + f with n
     an integer and f in [0, 1), both exact in float32. The magnitude becomes (n + 1) * g
     when a uniform 32-bit r < ceil(f * 2**32): exactly probability f wherever f is a
     multiple of 2**-32, which is every float32 with |x| >= 2**-33; below that (9 binades
     under the smallest float16) the probability is f rounded up to a multiple of 2**-32.
-    A magnitude of 65536 or more becomes infinity; infinities and NaN are kept.
+    A magnitude past float16's largest (65504) becomes infinity; infinities and NaN are
+    kept.
     """
-    x = x.astype(jnp.float32)
     magnitude = jnp.abs(x)
     gap, inverse_gap = _float16_gap(magnitude)
     scaled = magnitude * inverse_gap
     whole = jnp.floor(scaled)
     threshold = jnp.ceil((scaled - whole) * _TWO_TO_32).astype(jnp.uint32)
-    up = (bits.astype(jnp.uint32) < threshold).astype(jnp.float32)
-    rounded = jnp.copysign((whole + up) * gap, x).astype(jnp.float16)
-    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.float16))
+    up = (bits < threshold).astype(jnp.float32)
+    return _float16_signed((whole + up) * gap, x)
 
 
 def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
@@ -164,14 +188,17 @@ def round_to_nearest(x: jax.Array, dtype: Any) -> jax.Array:
     if jnp.dtype(dtype) == _BF16:
         # Carrying 2**15 - 1 into the 16 dropped bits, plus their neighbour's last bit, carries
         # exactly past half a gap, and at half a gap toward the even neighbour.
-        tie_to_even = (lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(1)
-        bits = (jnp.uint32(0x7FFF) + tie_to_even).astype(jnp.uint16)
-        return round_bfloat16(x, bits).astype(jnp.float32)
+        tie_to_even = (_pattern(x) >> np.uint32(16)) & np.uint32(1)
+        return _value(bfloat16_pattern(x, np.uint32(0x7FFF) + tie_to_even))
     gap, inverse_gap = _float16_gap(jnp.abs(x))
-    nearest = jnp.round(jnp.abs(x) * inverse_gap) * gap  # jnp.round: ties to even
-    largest = float(jnp.finfo(jnp.float16).max)
-    nearest = jnp.where(nearest > largest, jnp.inf, nearest)
-    return jnp.where(jnp.isfinite(x), jnp.copysign(nearest, x), x)
+    return _float16_signed(jnp.round(jnp.abs(x) * inverse_gap) * gap, x)  # ties to even
+
+
+def _float16_signed(magnitude: jax.Array, x: jax.Array) -> jax.Array:
+    """A rounded float16 `magnitude` (float32) with `x`'s sign: infinity past float16's
+    largest value, and `x` itself where it is not finite."""
+    magnitude = jnp.where(magnitude > float(jnp.finfo(jnp.float16).max), jnp.inf, magnitude)
+    return jnp.where(jnp.isfinite(x), jnp.copysign(magnitude, x), x)
 
 
 def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -185,32 +212,41 @@ def _float16_gap(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def update_to(rounded: jax.Array, param: jax.Array, dtype: Any) -> jax.Array:
-    """An update u of `dtype` with `param + u` cast to `param`'s dtype equal to `rounded`.
+    """An update u of `dtype` with `param + u` cast to `param`'s dtype equal to `rounded` (a
+    float32 value of that dtype).
 
     `rounded - param` is exact in float32 for two bfloat16 or float16 values near each
     other, and the sum lands on `rounded`. Where they are the same bits (an infinity kept,
-    a weight unchanged), -0.0 keeps the weight as it is, its sign of zero included. In a
-    `dtype` narrower than float32 the difference is exact unless it is about as large as
-    the weight (a step across zero, or by the weight's own size); `narrowed` tells where
-    such an update lands.
+    a weight unchanged) or both NaN, -0.0 keeps the weight as it is, its sign of zero
+    included. In a `dtype` narrower than float32 the difference is exact unless it is about
+    as large as the weight (a step across zero, or by the weight's own size); `narrowed`
+    tells where such an update lands.
     """
-    new, old = rounded.astype(jnp.float32), param.astype(jnp.float32)
-    width = {1: jnp.uint8, 2: jnp.uint16}[rounded.dtype.itemsize]
-    same = lax.bitcast_convert_type(rounded, width) == lax.bitcast_convert_type(
-        param.astype(rounded.dtype), width
-    )
-    return jnp.where(same, jnp.float32(-0.0), new - old).astype(dtype)
+    return _difference(rounded, widened(param)).astype(dtype)
 
 
 def narrowed(rounded: jax.Array, param: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """`update_to(rounded, param, dtype)` and the weight `optax.apply_updates` makes of it:
-    `rounded` for a float32 (or wider) update, else the sum rounded to nearest in `param`'s
-    dtype, as the cast in `optax.apply_updates` rounds it."""
-    update = update_to(rounded, param, dtype)
-    if jnp.dtype(dtype).itemsize >= 4:
-        return update, rounded
-    total = _float32(param) + _float32(update)
-    return update, round_to_nearest(total, rounded.dtype).astype(rounded.dtype)
+    """`update_to(rounded, param, dtype)` and the weight `optax.apply_updates` makes of it,
+    as float32: `rounded` for a float32 (or wider) update, else the sum rounded to nearest
+    in `param`'s dtype, as the cast in `optax.apply_updates` rounds it."""
+    # Cast once, where XLA:CPU keeps the cast value in memory for all that read it, rather
+    # than recompute the rounding in each.
+    rounded = widened(rounded.astype(param.dtype))
+    old = widened(param)
+    difference = _difference(rounded, old)
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= 4:
+        return difference.astype(dtype), rounded
+    if dtype in (_BF16, jnp.dtype(jnp.float16)):
+        step = round_to_nearest(difference, dtype)
+    else:
+        step = widened(difference.astype(dtype))
+    return step.astype(dtype), round_to_nearest(old + step, param.dtype)
+
+
+def _difference(rounded: jax.Array, old: jax.Array) -> jax.Array:
+    same = (_pattern(rounded) == _pattern(old)) | (jnp.isnan(rounded) & jnp.isnan(old))
+    return jnp.where(same, jnp.float32(-0.0), rounded - old)
 
 
 def checked_key(key: Any, owner: str) -> tuple[jax.Array, Any]:
@@ -242,7 +278,3 @@ def on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
     for axis in sorted(varying_axes(value), key=str):
         key = jax.random.fold_in(key, lax.axis_index(axis))
     return key
-
-
-def _float32(value: Any) -> jax.Array:
-    return jnp.asarray(value).astype(jnp.float32)
