@@ -13,8 +13,9 @@ XLA gets, measured on each (docs/design.md):
   where a conditional makes the host wait for the device at every step.
 
 `Form.LOWERED`, what `loss_scaled` uses, takes the form of the platform the step is lowered
-for (`jax.lax.platform_dependent`: the lowering keeps the chosen form alone); tests pass
-`Form.CPU` or `Form.GPU` to run either form on any platform.
+for (`jax.lax.platform_dependent`: the platform's branch is chosen by a constant that XLA folds,
+so the compiled program has the chosen form alone). Both branches are traced: only small values
+go through the choice. Tests pass `Form.CPU` or `Form.GPU` to run either form on any platform.
 """
 
 import enum
@@ -130,29 +131,43 @@ def scalars_written_together(tree: Any, form: Form) -> Any:
     since the bits come back strong, and so do PRNG keys. Other platforms gain nothing from
     it and compile it: there `tree` comes back as it is.
     """
-    return chosen(form, _written_together, lambda tree: tree, tree)
-
-
-def _written_together(tree: Any) -> Any:
     leaves, structure = jax.tree.flatten(tree)
+    scalars = [index for index, leaf in enumerate(leaves) if _is_written_together(leaf)]
+    if len(scalars) < 2:
+        return tree
+    # Only the scalars go through the choice: its branches are traced for every leaf given.
+    written = chosen(form, _written_together, lambda given: given, [leaves[i] for i in scalars])
+    for index, leaf in zip(scalars, written, strict=True):
+        leaves[index] = leaf
+    return jax.tree.unflatten(structure, leaves)
+
+
+def _is_written_together(leaf: Any) -> bool:
+    aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
+    return (
+        aval is not None
+        and aval.ndim == 0
+        and aval.dtype.itemsize == 4
+        and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
+        and not aval.weak_type
+    )
+
+
+def _written_together(scalars: list[jax.Array]) -> list[jax.Array]:
     groups: dict[Any, list[int]] = {}  # by the mapped axes a value varies over (shard_map)
-    for index, leaf in enumerate(leaves):
-        aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
-        if (
-            aval is not None
-            and aval.ndim == 0
-            and aval.dtype.itemsize == 4
-            and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
-            and not aval.weak_type
-        ):
-            groups.setdefault(varying_axes(leaf), []).append(index)
-    for chosen in groups.values():
-        if len(chosen) < 2:
+    for index, scalar in enumerate(scalars):
+        groups.setdefault(varying_axes(scalar), []).append(index)
+    written = list(scalars)
+    for group in groups.values():
+        if len(group) < 2:
             continue
         bits = jax.lax.optimization_barrier(
-            jnp.stack([jax.lax.bitcast_convert_type(leaves[i], jnp.uint32) for i in chosen])
+            jax.lax.concatenate(
+                [jax.lax.bitcast_convert_type(scalars[i], np.uint32).reshape(1) for i in group], 0
+            )
         )
-        for position, index in enumerate(chosen):
-            read = jnp.maximum(bits[position], bits[position] >> np.uint32(1))
-            leaves[index] = jax.lax.bitcast_convert_type(read, leaves[index].dtype)
-    return jax.tree.unflatten(structure, leaves)
+        for position, index in enumerate(group):
+            value = jax.lax.index_in_dim(bits, position, keepdims=False)
+            read = jax.lax.max(value, jax.lax.shift_right_logical(value, np.uint32(1)))
+            written[index] = jax.lax.bitcast_convert_type(read, scalars[index].dtype)
+    return written

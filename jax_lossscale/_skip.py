@@ -59,9 +59,9 @@ def apply_or_skip(
     """`(updates, inner_state)` of `inner_update(operands)` where `apply`, else of a skip.
 
     By selects where `skips_by_select` and in the GPU form; else by a `cond`, which
-    `Form.LOWERED` keeps for the platforms other than a GPU, where it gives the selects
-    instead (`_platforms`). An `apply` known when traced (eagerly) takes its branch alone,
-    as a `cond` would: a skip runs no update, which could make a NaN from an infinity.
+    `Form.LOWERED` keeps for the platforms other than a GPU, where the selects decide instead
+    (`_platforms`). An `apply` known when traced (eagerly) takes its branch alone, as a
+    `cond` would: a skip runs no update, which could make a NaN from an infinity.
     """
     inner_state = operands.inner_state
     if not isinstance(apply, jax.core.Tracer):
@@ -71,28 +71,24 @@ def apply_or_skip(
         return skipped_by_selects(apply, new_updates, new_state, inner_state)
     if form is Form.GPU or skips_by_select(inner_state, operands.scaled_grads):
         return skipped_by_selects(apply, *inner_update(operands), inner_state)
-    cond = skip_by_cond(inner_update, operands)
+    cond, types = skip_by_cond(inner_update, operands)
     if form is Form.CPU:
         return cond(apply)
-    return cast(
-        tuple[optax.Updates, optax.OptState],
-        chosen(
-            form,
-            lambda: skipped_by_selects(
-                apply, *cond(jnp.bool_(True)), inner_state
-            ),  # no conditional
-            lambda: cond(apply),
-        ),
-    )
+    # Both forms from one trace: the platform's choice gives the two predicates alone. Lowered
+    # for a GPU the cond's is true, elsewhere the selects'; XLA folds what a constant decides.
+    true = varying_like(jnp.bool_(True), apply)
+    run, keep = chosen(form, lambda: (true, apply), lambda: (apply, true))
+    return skipped_by_selects(keep, *cond(run), inner_state, types)
 
 
 def skip_by_cond(
     inner_update: Callable[[Operands], tuple[optax.Updates, optax.OptState]],
     operands: Operands,
-) -> Callable[[jax.Array], tuple[optax.Updates, optax.OptState]]:
+) -> tuple[Callable[[jax.Array], tuple[optax.Updates, optax.OptState]], tuple[PyTree, PyTree]]:
     """A function of a predicate: `inner_update(operands)` where it holds, else the skip's
     -0.0 updates and old state, by a `cond` whose branches are made from one trace of the
-    inner update: its types are read off that trace, and the trace is the applied branch."""
+    inner update: its types are read off that trace, and the trace is the applied branch.
+    And those types: of the updates, and of the state on both branches (`_branch_types`)."""
     leaves, structure = jax.tree.flatten(operands)
     arrays = [index for index, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
@@ -131,7 +127,7 @@ def skip_by_cond(
                 jax.lax.cond(run, replayed, lambda: skipped(*args)),
             )
 
-        return replayed_cond
+        return replayed_cond, types[0]
     branches = (jax.make_jaxpr(skipped)(*args), applied_jaxpr)
 
     def bound_cond(run: jax.Array) -> tuple[optax.Updates, optax.OptState]:
@@ -139,16 +135,22 @@ def skip_by_cond(
         out = cond_p.bind(index, *args, branches=branches)
         return cast(tuple[optax.Updates, optax.OptState], jax.tree.unflatten(outputs, out))
 
-    return bound_cond
+    return bound_cond, types[0]
 
 
 def skipped_by_selects(
-    apply: Any, new_updates: optax.Updates, new_state: optax.OptState, inner_state: optax.OptState
+    apply: Any,
+    new_updates: optax.Updates,
+    new_state: optax.OptState,
+    inner_state: optax.OptState,
+    types: tuple[PyTree, PyTree] | None = None,
 ) -> tuple[optax.Updates, optax.OptState]:
     """The new updates and state where `apply`, else -0.0 updates and the old state, each
-    state leaf in the dtype that holds both. (Where `apply` is known, and false, the new
-    ones may be their types alone.)"""
-    updates_types, state_types = _branch_types(inner_state, new_updates, new_state)
+    state leaf in the dtype that holds both (`types`, where already read off a trace).
+    (Where `apply` is known, and false, the new ones may be their types alone.)"""
+    if types is None:
+        types = _branch_types(inner_state, new_updates, new_state)
+    updates_types, state_types = types
     old_state = _as_types(inner_state, state_types)
     if not isinstance(apply, jax.core.Tracer):  # known: no select
         if apply:

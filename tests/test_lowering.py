@@ -137,31 +137,67 @@ def _bracketed(text: str, start: int) -> str:
 
 
 def case_kinds(text: str) -> list[str]:
-    """For each `stablehlo.case`, "constant" when its branch index is known at compile time
-    (a `stablehlo.constant` or its `stablehlo.convert`, or the result of a case on such an
-    index whose branches return constants only, as `lax.platform_dependent` lowers), which
-    XLA folds away; else "data",
-    a branch chosen at run time from the step's values."""
-    static_results, kinds = set(), []
-    header = re.compile(r'^\s*(%[\w]+)(?::\d+)? = "stablehlo\.case"\((%[\w#]+)\)', re.MULTILINE)
+    """For each `stablehlo.case`, "constant" when its branch index is known at compile time,
+    which XLA folds away (its ConditionalSimplifier inlines the branch); else "data", a branch
+    chosen at run time from the step's values.
+
+    An index is known where it is a `stablehlo.constant`, its `stablehlo.convert`, or a result
+    of a case on a known index whose chosen branch returns a known value there: as
+    `lax.platform_dependent` lowers, a case on the platform's constant index whose branch for
+    that platform returns a constant (another platform's branch may return a value of the
+    step)."""
+    known: dict[str, int] = {}
+    kinds = []
+    header = re.compile(r'^\s*(%[\w]+)(?::(\d+))? = "stablehlo\.case"\((%[\w#]+)\)', re.MULTILINE)
     for match in header.finditer(text):
-        result, index = match.group(1), match.group(2).split("#")[0]
-        defining_op = _definition(text, index, match.start())
-        if defining_op == "stablehlo.convert":  # of a constant predicate, as `lax.cond` makes
-            line = re.findall(
-                rf"^\s*{re.escape(index)} = stablehlo\.convert (%\w+)",
-                text[: match.start()],
-                re.MULTILINE,
-            )
-            defining_op = _definition(text, line[-1], match.start()) if line else None
-        static = defining_op == "stablehlo.constant" or (
-            defining_op == "stablehlo.case" and index in static_results
-        )
-        branches = stablehlo_ops(_bracketed(text, match.end()))
-        if static and set(branches) <= {"stablehlo.constant", "stablehlo.return"}:
-            static_results.add(result)
-        kinds.append("constant" if static else "data")
+        result, count, index = match.group(1), match.group(2), match.group(3)
+        value = _known_value(text, index, match.start(), known)
+        kinds.append("data" if value is None else "constant")
+        if value is None:
+            continue
+        branches = _branches(_bracketed(text, match.end()))
+        branch = branches[value if 0 <= value < len(branches) else -1]  # out of range: the last
+        returned = re.findall(r"stablehlo\.return ([^:\n]*)", branch)[-1]
+        operands = [operand.strip() for operand in returned.split(",")]
+        names = [result] if count is None else [f"{result}#{j}" for j in range(int(count))]
+        for name, operand in zip(names, operands, strict=True):
+            inner = _known_value(branch, operand, len(branch), {})
+            outer = _known_value(text, operand, match.start(), known)
+            if (found := outer if inner is None else inner) is not None:
+                known[name] = found
     return kinds
+
+
+def _known_value(text: str, name: str, before: int, known: dict[str, int]) -> int | None:
+    """The integer (or boolean, as 0 or 1) value of the SSA value `name` where the text before
+    `before` makes it known at compile time, else None."""
+    if name in known:
+        return known[name]
+    pattern = rf"^\s*{re.escape(name)} = stablehlo\.(constant dense<(\w+)>|convert (%[\w#]+))"
+    definitions = re.findall(pattern, text[:before], re.MULTILINE)
+    if not definitions:
+        return None
+    _, constant, converted = definitions[-1]
+    if converted:
+        return _known_value(text, converted, before, known)
+    if constant in ("true", "false"):
+        return int(constant == "true")
+    return int(constant) if re.fullmatch(r"-?\d+", constant) else None
+
+
+def _branches(region: str) -> list[str]:
+    """The branches' texts of a case's region, `({ ... }, { ... })`."""
+    branches, depth, start = [], 0, 0
+    for position, character in enumerate(region):
+        if character == "{":
+            depth += 1
+            if depth == 1:
+                start = position
+        elif character == "}":
+            depth -= 1
+            if depth == 0:
+                branches.append(region[start : position + 1])
+    return branches
 
 
 def main_signature(text: str) -> tuple[list[str], list[str]]:

@@ -269,7 +269,7 @@ def test_a_skip_by_selects_gives_the_bits_of_a_skip_by_cond(make_inner):
             return inner.update(given.scaled_grads, given.inner_state, given.params)
 
         by_selects = skipped_by_selects(apply, *update(operands), state)
-        return by_selects, skip_by_cond(update, operands)(apply)
+        return by_selects, skip_by_cond(update, operands)[0](apply)
 
     finite = {"w": jnp.full((4, 3), 0.25), "b": jnp.full((3,), -2.0)}
     nan = {"w": finite["w"].at[1, 2].set(jnp.nan), "b": finite["b"]}
