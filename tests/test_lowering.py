@@ -423,6 +423,26 @@ def test_the_conditional_reader_tells_a_constant_index_from_a_computed_one(platf
     assert case_kinds(text.as_text()) == ["data"]
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_the_reader_follows_the_platforms_branch_of_a_platform_dependent_predicate(platform):
+    """A `cond` on a predicate that `platform_dependent` gives is known where the branch of the
+    platform lowered for returns a constant, and chosen at run time where that branch returns
+    a value of the step, whatever the other platforms' branches return (XLA inlines the
+    platform's branch, then folds a constant predicate)."""
+
+    def halve_on_a_gpu_or_if_large(x):
+        large = jnp.sum(x) > 1.0
+        on_gpu = jax.lax.platform_dependent(
+            cuda=lambda: jnp.bool_(True), rocm=lambda: jnp.bool_(True), default=lambda: large
+        )
+        return jax.lax.cond(on_gpu, lambda: x / 2, lambda: x)
+
+    traced = jax.jit(halve_on_a_gpu_or_if_large).trace(jnp.ones(4))
+    kinds = case_kinds(traced.lower(lowering_platforms=(platform,)).as_text())
+    assert kinds[-1] == ("constant" if platform in GPU_PLATFORMS else "data")
+    assert kinds.count("data") == (0 if platform in GPU_PLATFORMS else 1)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_xla_folds_only_the_fixed_loss_scales_conditional(variant, optimizer):
