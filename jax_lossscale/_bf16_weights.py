@@ -162,7 +162,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformationExtraArgs
             if dtype is None:
                 new_updates.append(update)
                 continue
-            total = widened(param) + _float32(update)
+            total = widened(param) + widened(update)
             leaf_key = on_this_shard(jax.random.fold_in(step_key, index), total)
             rounded = round_stochastically(total, dtype, leaf_key)
             new_updates.append(update_to(rounded, param, _update_dtype(update)))
@@ -299,9 +299,9 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 new_floats.append(None)
                 continue
             if bits is not None:
-                total, rounded = add_in_float32(param, bits, _float32(update))
+                total, rounded = add_in_float32(param, bits, widened(update))
             else:
-                total, rounded = add_compensated(param, floats, _float32(update), dtype)
+                total, rounded = add_compensated(param, floats, widened(update), dtype)
             rounded = saturated(rounded, total, dtype)
             new_update, weight = narrowed(rounded, param, _update_dtype(update))
             new_updates.append(new_update)
@@ -389,7 +389,3 @@ def _update_dtype(update: Any) -> Any:
     `optax.apply_if_finite`'s skip gives), else float32."""
     dtype = jnp.result_type(update)
     return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
-
-
-def _float32(value: Any) -> jax.Array:
-    return jnp.asarray(value).astype(jnp.float32)

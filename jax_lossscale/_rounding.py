@@ -21,19 +21,14 @@ from jax_lossscale._checks import describe, describe_array
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _TWO_TO_32 = float(2**32)
-_SIGN = np.uint32(0x80000000)
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 _INFINITY = np.uint32(0x7F800000)
 _UPPER_HALF = np.uint32(0xFFFF0000)
 
 
 def widened(x: jax.Array) -> jax.Array:
-    """`x` as float32, exactly; a bfloat16 array by moving its bits up (no cast)."""
-    x = jnp.asarray(x)
-    if x.dtype == _BF16:
-        upper = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-        return lax.bitcast_convert_type(upper, jnp.float32)
-    return x.astype(jnp.float32)
+    """`x` as float32: a weight, buffer or update, exactly where it is bfloat16 or float16."""
+    return jnp.asarray(x).astype(jnp.float32)
 
 
 def _pattern(x: jax.Array) -> jax.Array:
