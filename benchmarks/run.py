@@ -170,13 +170,15 @@ def run_mlp(args) -> list[dict]:
 
 
 def run_compile(args) -> list[dict]:
-    """Seconds to trace, lower and compile the donated step, at each of `--compile-leaves`."""
+    """Seconds to trace, lower and compile the donated step, at each of `--compile-leaves`,
+    and of those the trace's (`trace_seconds`)."""
     rows = []
     budget = _CompileBudget(args.compile_budget)
     for optimizer in args.optimizers:
         for leaves in sorted(args.compile_leaves):
             params, grads = params_and_grads(leaves * 64, leaves)
             times: dict[str, list[float]] = {}
+            traces: dict[str, list[float]] = {}  # of those seconds, the trace's
             skipped = {}
             for _ in range(args.compile_repeats):
                 for contender in _contenders(optimizer):
@@ -188,12 +190,16 @@ def run_compile(args) -> list[dict]:
                     state = jax.eval_shape(contender.init, params)
                     start = time.perf_counter()
                     step = jax.jit(contender.optimizer_step, donate_argnums=(0, 1))
-                    step.lower(params, state, grads).compile()
+                    traced = step.trace(params, state, grads)
+                    traces.setdefault(contender.name, []).append(time.perf_counter() - start)
+                    traced.lower().compile()
                     seconds = time.perf_counter() - start
                     times.setdefault(contender.name, []).append(seconds)
                     budget.record(contender.name, leaves, seconds)
             medians = {name: statistics.median(values) for name, values in times.items()}
-            rows.append(result_row(optimizer, leaves * 64, leaves, medians, skipped=skipped))
+            row = result_row(optimizer, leaves * 64, leaves, medians, skipped=skipped)
+            row["trace_seconds"] = {name: statistics.median(v) for name, v in traces.items()}
+            rows.append(row)
     return rows
 
 

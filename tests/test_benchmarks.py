@@ -48,6 +48,10 @@ def test_runner_writes_every_case_as_json(tmp_path, capsys, monkeypatch):
     assert [(row["optimizer"], row["leaves"]) for row in results["cases"]["compile"]] == [
         ("adam", 4), ("adam", 8),
     ]  # fmt: skip
+    for row in results["cases"]["compile"]:
+        assert list(row["trace_seconds"]) == CONTENDERS
+        for name, seconds in row["trace_seconds"].items():
+            assert 0 < seconds < row["values"][name], name
     for row in results["cases"]["traces"]:
         assert row["values"]["jax_lossscale"] == 1
         assert row["values"]["bare"] == 1
