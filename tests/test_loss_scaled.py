@@ -1160,3 +1160,43 @@ def test_under_multisteps_the_scale_counts_microbatches():
     assert scales == [8.0] * 7 + [16.0]
     assert int(opt_state.inner_state.gradient_step) == 2
     np.testing.assert_allclose(params["w"], [-0.2, -0.2])
+
+
+def test_a_weakly_typed_gradient_is_taken_as_its_strong_twin():
+    """A gradient leaf made from Python scalars (`jnp.asarray(2.0)`, weakly typed), which bare
+    optax accepts: the updates and the state are those of the strongly typed gradient, bit for
+    bit and type for type, on an applied step and on a skipped one."""
+    tx = jls.loss_scaled(optax.adam(0.1), jls.DynamicLossScale(initial_loss_scale=4.0))
+    params = {"w": jnp.ones(3), "b": jnp.float32(0.5)}
+    update = jax.jit(tx.update)
+
+    def two_steps(bias_grads):
+        state, outputs = tx.init(params), []
+        for bias_grad in bias_grads:
+            grads = {"w": jnp.full(3, 8.0), "b": bias_grad}
+            updates, state = update(grads, state, params)
+            outputs.append((updates, state))
+        return outputs
+
+    weak = two_steps([jnp.asarray(2.0), jnp.asarray(float("inf"))])
+    strong = two_steps([jnp.float32(2.0), jnp.float32(np.inf)])
+    assert jax.typeof(jnp.asarray(2.0)).weak_type
+    for (weak_updates, weak_state), (strong_updates, strong_state) in zip(
+        weak, strong, strict=True
+    ):
+        assert_bits_equal((weak_updates, weak_state), (strong_updates, strong_state))
+        for a, b in zip(
+            jax.tree.leaves((weak_updates, weak_state)),
+            jax.tree.leaves((strong_updates, strong_state)),
+            strict=True,
+        ):
+            assert jax.typeof(a) == jax.typeof(b)
+    # the applied step is bare adam's on the gradients unscaled by 4
+    bare = optax.adam(0.1)
+    bare_updates, _ = jax.jit(bare.update)(
+        {"w": jnp.full(3, 2.0), "b": jnp.float32(0.5)}, bare.init(params), params
+    )
+    assert_bits_equal(weak[0][0], bare_updates)
+    assert float(weak[1][0]["b"]) == 0.0  # skipped: -0.0
+    assert np.signbit(weak[1][0]["b"])
+    assert float(jls.get_loss_scale(weak[1][1])) == 2.0
