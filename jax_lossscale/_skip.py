@@ -193,8 +193,8 @@ def joined_dtype(old: Any, new: Any, path: Any, caller: str) -> Any:
     skip; float32 between two 8-bit floats that do not promote); a `TypeError` naming the
     state leaf at `path` where none does (int32 into float32), since a skip could not keep it.
     """
-    if old == new:
-        return jnp.dtype(new)
+    if old == new:  # (a typed PRNG key's dtype too, which jnp.dtype does not take)
+        return new
     candidates = [jnp.dtype(new), jnp.dtype(old)]
     # As between 8-bit floats: jax's TypePromotionError, a ValueError (not in jax.dtypes
     # before jax 0.10.1).
@@ -260,6 +260,7 @@ def initial_inner_state(
             wide is None
             or jnp.shape(wide) != jnp.shape(leaf)
             or not hasattr(leaf, "dtype")
+            or jnp.issubdtype(leaf.dtype, jax.dtypes.extended)  # a PRNG key
             or not holds_exactly(wide.dtype, leaf.dtype)
         ):
             return leaf

@@ -1200,3 +1200,39 @@ def test_a_weakly_typed_gradient_is_taken_as_its_strong_twin():
     assert float(weak[1][0]["b"]) == 0.0  # skipped: -0.0
     assert np.signbit(weak[1][0]["b"])
     assert float(jls.get_loss_scale(weak[1][1])) == 2.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_an_inner_state_holding_a_typed_prng_key_is_kept_on_a_skip(dtype):
+    """`optax.noisy_sgd` keeps a typed key (`jax.random.key`) in its state, which bare optax
+    accepts (float16 params too, whose state loss_scaled makes for float32): an applied step
+    adds bare noisy_sgd's noise to the unscaled gradients and advances its key, and a skipped
+    one keeps the key, the count and the params bit for bit."""
+
+    def noisy():
+        return optax.noisy_sgd(0.01, key=jax.random.key(0))
+
+    tx = jls.loss_scaled(noisy(), jls.DynamicLossScale(initial_loss_scale=4.0))
+    params = {"w": jnp.ones((3, 4), dtype)}
+    update = jax.jit(tx.update, donate_argnums=1)
+    applied_updates, applied = update({"w": jnp.full((3, 4), 0.4, dtype)}, tx.init(params), params)
+    bare = noisy()
+    bare_updates, bare_state = jax.jit(bare.update)(
+        {"w": jnp.full((3, 4), 0.4, dtype).astype(jnp.float32) / 4}, bare.init(params), params
+    )
+    # (XLA fuses the noise's sampling into another program: equal to float32 rounding)
+    np.testing.assert_allclose(
+        np.asarray(applied_updates["w"], np.float32), bare_updates["w"], rtol=1e-6, atol=1e-9
+    )
+    noise = applied.inner_state[0]
+    assert int(noise.count) == int(bare_state[0].count) == 1
+    assert jax.random.key_data(noise.rng_key).tolist() == (
+        jax.random.key_data(bare_state[0].rng_key).tolist()
+    )
+    assert jax.dtypes.issubdtype(noise.rng_key.dtype, jax.dtypes.prng_key)
+    expected_key = jax.random.key_data(noise.rng_key).tolist()
+    skipped_updates, skipped = update({"w": jnp.full((3, 4), jnp.inf, dtype)}, applied, params)
+    assert_bits_equal(optax.apply_updates(params, skipped_updates), params)
+    assert jax.random.key_data(skipped.inner_state[0].rng_key).tolist() == expected_key
+    assert int(skipped.inner_state[0].count) == 1
+    assert float(jls.get_loss_scale(skipped)) == 2.0
