@@ -49,7 +49,9 @@ def low_precision_state(
     update widens the state's bfloat16 and float16 leaves to float32, runs `inner.update`,
     and rounds each floating leaf of the new state back to the dtype it was stored in. The
     updates come in the dtypes inner gives from the state as stored (bfloat16 for bfloat16
-    gradients, as `optax.apply_if_finite` needs). `rounding="stochastic"` rounds up with probability
+    gradients, as `optax.apply_if_finite` needs; float32 for float32 gradients, weakly typed
+    ones too), or, for an inner that cannot update the state as stored (`optax.MultiSteps`),
+    as it gives them. `rounding="stochastic"` rounds up with probability
     (x - lower) / (upper - lower), as `stochastic_rounding` does, so that the state follows
     its float32 course in expectation: adam's `nu` under constant gradients of 1e-3
     (b2 = 0.999) reaches 9.98e-7 after 6,000 steps in float32; stored in bfloat16, its mean
@@ -69,6 +71,9 @@ def low_precision_state(
       dtype: jnp.bfloat16 (the default), jnp.float16 or jnp.float32 for every floating
         leaf but scalars; or a function `(path, leaf) -> dtype or None` of a leaf of
         `inner.init(params)` and its key path, None keeping the leaf as inner made it.
+        float16 holds 6.1e-5 to 65504 (normal): adam's `nu` in it is inf for gradients
+        above 256 (its entries' updates then -0.0 for good) and flushes toward zero below
+        about 2.4e-4; keep `nu` in bfloat16 or float32 with a function.
       key: a PRNG key for the stochastic rounding (`jax.random.key(seed)`); None for
         `jax.random.key(0)`.
       rounding: "stochastic" (the default) or "nearest".
@@ -127,15 +132,9 @@ def low_precision_state(
             )
         wide = jax.tree.map(_widened, state.inner_state)
         new_updates, new_inner = inner.update(updates, wide, params, **extra_args)
-        # The updates in the dtypes inner gives them from the state as stored (bfloat16 for
-        # bfloat16 gradients), as `optax.apply_if_finite`'s skip gives them.
-        stored = jax.eval_shape(
-            lambda u, s, p: inner.update(u, s, p, **extra_args)[0],
-            updates,
-            state.inner_state,
-            params,
-        )
-        new_updates = jax.tree.map(_cast_like, new_updates, stored)
+        stored = _update_types(inner, updates, state.inner_state, params, extra_args)
+        if stored is not None:
+            new_updates = jax.tree.map(_cast_like, new_updates, stored)
         if rounding == "nearest":
             return new_updates, LowPrecisionState(
                 state.key, jax.tree.map(_nearest_like, new_inner, state.inner_state)
@@ -152,6 +151,30 @@ def low_precision_state(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _update_types(
+    inner: optax.GradientTransformationExtraArgs,
+    updates: optax.Updates,
+    stored_state: optax.OptState,
+    params: optax.Params | None,
+    extra_args: dict[str, Any],
+) -> Any:
+    """The types of the updates that `inner` gives from the state as stored (bfloat16 for
+    bfloat16 gradients, as `optax.apply_if_finite`'s skip gives them), the gradients taken
+    strongly typed (a weakly typed float32 gradient gives float32 updates, as bare optax's);
+    or None where `inner` cannot update the state as stored, only widened (`optax.MultiSteps`
+    and `optax.apply_if_finite`, whose `cond` keeps float32 accumulators of float32
+    gradients apart from bfloat16 ones): then the updates keep the dtypes it gave."""
+    strong = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)), updates
+    )
+    try:
+        return jax.eval_shape(
+            lambda u, s, p: inner.update(u, s, p, **extra_args)[0], strong, stored_state, params
+        )
+    except TypeError:  # (the update of the widened state, just traced, raised nothing)
+        return None
 
 
 def _dtype_rule(dtype: Any) -> Callable[[Any, Any], np.dtype[Any] | None]:

@@ -369,3 +369,47 @@ def test_with_stochastic_rounding_in_a_linen_train_state_a_skip_keeps_both_keys(
     assert bits(after[0]["kernel"]).tolist() != bits(before[0]["kernel"]).tolist()
     assert after[2].tolist() != before[2].tolist()  # low_precision_state's key
     assert after[3].tolist() != before[3].tolist()  # stochastic_rounding's
+
+
+def test_a_weakly_typed_float32_gradient_gives_float32_updates_as_bare_optax():
+    """`jnp.full(4, 1e-3)` is weakly typed; bare adam gives float32 updates for it, and so
+    does the state stored in bfloat16, bit for bit those of the strongly typed gradient."""
+    tx = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(1))
+    params = jnp.zeros(4)
+    weak, strong = jnp.full(4, 1e-3), jnp.full(4, 1e-3, F32)
+    assert jax.typeof(weak).weak_type
+    weak_updates, weak_state = jax.jit(tx.update)(weak, tx.init(params), params)
+    strong_updates, strong_state = jax.jit(tx.update)(strong, tx.init(params), params)
+    assert weak_updates.dtype == F32
+    assert_bits_equal((weak_updates, weak_state), (strong_updates, strong_state))
+    bare_updates, _ = optax.adam(1e-3).update(strong, optax.adam(1e-3).init(params), params)
+    assert float(weak_updates[0]) == float(bare_updates[0]) == pytest.approx(-1e-3, rel=1e-4)
+
+
+def test_multisteps_and_apply_if_finite_inside_run_as_bare_optax_does():
+    """Their `lax.cond`s keep float32 accumulators of float32 gradients: updated on the
+    widened state they run, and give float32 updates, as bare; their state is stored in
+    bfloat16 between steps."""
+    params = {"w": jnp.ones((3, 4))}
+    grads = {"w": jnp.full((3, 4), 0.1)}
+    multi = jls.low_precision_state(
+        optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(), key=jax.random.key(0)
+    )
+    update = jax.jit(multi.update)
+    first, state = update(grads, multi.init(params), params)
+    assert state.inner_state.acc_grads["w"].dtype == BF16
+    assert first["w"].dtype == F32
+    assert_bits_equal(first, {"w": jnp.zeros((3, 4))})  # the first of two mini-steps
+    second, state = update(grads, state, params)
+    np.testing.assert_allclose(second["w"], -0.1, rtol=1e-3)
+    assert int(state.inner_state.gradient_step) == 1
+
+    guarded = jls.low_precision_state(optax.apply_if_finite(optax.adam(0.1), 3))
+    update = jax.jit(guarded.update)
+    skipped, state = update({"w": jnp.full((3, 4), jnp.inf)}, guarded.init(params), params)
+    assert skipped["w"].dtype == F32
+    assert_bits_equal(skipped, {"w": jnp.zeros((3, 4))})
+    assert int(state.inner_state.notfinite_count) == 1
+    applied, state = update(grads, state, params)
+    np.testing.assert_allclose(applied["w"], -0.1, rtol=1e-3)
+    assert state.inner_state.inner_state[0].mu["w"].dtype == BF16
