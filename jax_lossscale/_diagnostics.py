@@ -103,8 +103,8 @@ def check_not_stuck(
     A run whose gradients are non-finite whatever the scale (a NaN or inf in the forward
     pass, a loss that overflows float16 by itself) skips every step at `min_loss_scale`
     and its params stop changing. A run can stall on spikes too, its gradients finite:
-    a norm above `skip_grad_norm_above` at every step, or a norm or loss (`value=`) that
-    is not finite; the message tells the two kinds apart and advises for each. Call this
+    a norm above `skip_grad_norm_above` at every step, or a loss (`value=`) that is not
+    finite; the message tells the two kinds apart, by the last step, and advises for each. Call this
     on the host between steps, where you log: it reads the stats that `tx.update` returns
     and adds nothing to the jitted step.
 
@@ -168,16 +168,17 @@ def check_not_stuck(
     if paths is not None:
         named = ", ".join(f"{path}: {count} entries" for path, count in paths.items())
         message += f"; the last step's gradients held NaN or inf in {named or 'no leaf'}"
+    # The last step was skipped; its grad_norm tells how (the totals are the whole run's):
+    # NaN or +inf for an overflow, finite for a spike.
     norms = np.asarray(jax.device_get(stats.grad_norm))
-    overflows = counts["NaN"] + counts["inf"]
-    if counts["spike"] >= skipped and (np.all(np.isfinite(norms)) or overflows < skipped):
+    if counts["spike"] > 0 and np.all(np.isfinite(norms)):
         message += (
-            "; they were skipped as spikes, with finite gradients and a last grad_norm of "
+            "; the last step was skipped as a spike, with finite gradients and a grad_norm of "
             f"{float(np.max(norms))!r}; a norm above skip_grad_norm_above at every step is a new "
             "level, not a bad batch: raise the bound, or leave the judging to skip_spike_sigmas, "
-            "whose window follows a new level after spike_window // 4 spikes in a row; a norm, or "
-            "a loss given as value=, that is not finite is a spike at every step: find the op "
-            "that makes it with jax_debug_nans on the forward pass"
+            "whose window follows a new level after spike_window // 4 spikes in a row; a loss "
+            "given as value= that is not finite is a spike at every step: find the op that "
+            "makes it with jax_debug_nans on the forward pass"
         )
     elif paths == {} and np.all(np.isposinf(norms)):
         message += (

@@ -239,19 +239,20 @@ def reduction_groups(parts: list[jax.Array]) -> list[list[jax.Array]]:
     """`parts` in the groups they are reduced in: each alone, but that parts of at most
     `SMALL_PART` entries, `GROUP_LEAVES` at most, are reduced together, combined entry by
     entry (`_combined`), where `may_be_sharded` says they are not split over devices (on one
-    device, or inside `pmap` or `shard_map`, by the `shard_map` axes they vary over).
+    device, or inside `pmap` or `shard_map`, by the `shard_map` axes they vary over, and by
+    the dtype their squares are taken in: float64 parts apart, under x64).
 
     XLA then compiles one reduction per group instead of one per leaf, and writes nothing
     out (a concatenation of many leaves would compile slowly). A sharded leaf stays alone,
     as combining it with another would gather it.
     """
     groups: list[list[jax.Array]] = []
-    open_groups: dict[Any, list[jax.Array]] = {}  # by the axes they vary over
+    open_groups: dict[Any, list[jax.Array]] = {}  # by the axes they vary over, and dtype
     for part in parts:
         if part.size > SMALL_PART or may_be_sharded(part):
             groups.append([part])
             continue
-        key = varying_axes(part)
+        key = (varying_axes(part), jnp.dtype(wide_dtype(part.dtype)))
         group = open_groups.get(key)
         if group is None or len(group) == GROUP_LEAVES:
             group = open_groups[key] = []

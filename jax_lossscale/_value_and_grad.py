@@ -160,8 +160,9 @@ def _split(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def _times(rest: jax.Array, leaf: Any) -> Any:
-    """A floating gradient leaf times `rest`, computed in float32 (or wider), in its dtype."""
-    if is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating):
+    """A floating or complex gradient leaf times `rest`, computed in float32 (or wider), in
+    its dtype."""
+    if is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact):
         wide = jnp.promote_types(leaf.dtype, jnp.float32)
         return (leaf.astype(wide) * rest.astype(wide)).astype(leaf.dtype)
     return leaf
@@ -280,10 +281,11 @@ def _scale(opt_state: Any) -> Any:
     """The scale: `opt_state` itself when it is one, else the one read from it."""
     if is_scalar_array(opt_state, np.float32):
         return opt_state
-    if is_array(opt_state):
+    if is_array(opt_state) or isinstance(opt_state, int | float):
         raise TypeError(
             f"value_and_grad(opt_state={describe(opt_state)}): a scale given directly must be "
             "a float32 scalar array"
+            + (f", such as jnp.float32({opt_state!r})" if not is_array(opt_state) else "")
         )
     try:
         scale = get_loss_scale(opt_state)

@@ -394,11 +394,11 @@ def test_check_not_stuck_bad_input():
 
 
 _SPIKE_ADVICE = (
-    "; they were skipped as spikes, with finite gradients and a last grad_norm of 1.5; a norm "
-    "above skip_grad_norm_above at every step is a new level, not a bad batch: raise the bound, "
-    "or leave the judging to skip_spike_sigmas, whose window follows a new level after "
-    "spike_window // 4 spikes in a row; a norm, or a loss given as value=, that is not finite is "
-    "a spike at every step: find the op that makes it with jax_debug_nans on the forward pass"
+    "; the last step was skipped as a spike, with finite gradients and a grad_norm of 1.5; a "
+    "norm above skip_grad_norm_above at every step is a new level, not a bad batch: raise the "
+    "bound, or leave the judging to skip_spike_sigmas, whose window follows a new level after "
+    "spike_window // 4 spikes in a row; a loss given as value= that is not finite is a spike at "
+    "every step: find the op that makes it with jax_debug_nans on the forward pass"
 )
 
 
@@ -429,6 +429,30 @@ def test_a_run_stalled_on_spikes_gets_advice_of_its_own():
         "inf, 150 as spikes" + _SPIKE_ADVICE
     )
     assert "whatever the scale" not in str(excinfo.value)
+
+
+def test_the_advice_follows_the_last_step_not_the_runs_totals():
+    """30 spikes early in the run, then a NaN at every step: the whole-run spike count (32)
+    was above the streak (22), so the NaN stall got the spike advice. And the other way
+    round: a spike stall after as many NaN skips gets the spike advice."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.1), jls.DynamicLossScale(1.0, min_loss_scale=1.0), skip_grad_norm_above=1.0
+    )
+    opt_state = _norm_run(tx, [5.0] * 30 + [0.5] + [5.0] * 2 + [np.nan] * 20)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 20)
+    assert str(excinfo.value) == (
+        "loss_scaled is stuck: 22 steps in a row were skipped, at least max_consecutive_skips=20, "
+        "at a loss scale of 1.0; skipped so far: 20 for NaN, 0 for inf, 32 as spikes" + _ADVICE
+    )
+    opt_state = _norm_run(tx, [np.nan] * 30 + [0.5] + [np.nan] * 2 + [5.0] * 20)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 20)
+    assert str(excinfo.value) == (
+        "loss_scaled is stuck: 22 steps in a row were skipped, at least max_consecutive_skips=20, "
+        "at a loss scale of 1.0; skipped so far: 32 for NaN, 0 for inf, 20 as spikes"
+        + _SPIKE_ADVICE.replace("grad_norm of 1.5", "grad_norm of 5.0")
+    )
 
 
 def test_the_window_alone_no_longer_stalls_but_its_spikes_are_named_as_such():

@@ -659,6 +659,31 @@ def test_float16_gradients_of_float64_params_come_back_float64(jit_or_eager):
         )
 
 
+def test_float64_and_float32_gradients_together_are_checked_as_bare_optax_takes_them(
+    jit_or_eager,
+):
+    """Under x64, small float64 and float32 leaves were reduced in one group, and their
+    squares added by `lax.add`: a TypeError where bare optax updates both."""
+    with jax.enable_x64(True):
+        params = {"w": np.zeros(2, np.float64), "v": np.zeros(2, np.float32)}
+        grads = {"w": np.array([16.0, 8.0], np.float64), "v": np.array([8.0, 4.0], np.float32)}
+        params, grads = jax.tree.map(jnp.asarray, (params, grads))
+        tx = jls.loss_scaled(optax.sgd(0.5), jls.DynamicLossScale(4.0, increment_period=1))
+        opt_state = tx.init(params)
+        updates, opt_state = jit_or_eager(tx.update, grads, opt_state, params)
+        expected = {"w": np.array([-2.0, -1.0], np.float64), "v": np.array([-1.0, -0.5])}
+        chex.assert_trees_all_equal(
+            updates, {**expected, "v": expected["v"].astype(np.float32)}, strict=True
+        )
+        stats = jls.get_loss_scale_stats(opt_state)
+        assert float(stats.grad_norm) == 5.0  # sqrt(16 + 4 + 4 + 1)
+        assert float(stats.loss_scale) == 8.0
+        bad = {**grads, "w": grads["w"].at[1].set(np.inf)}
+        updates, opt_state = jit_or_eager(tx.update, bad, opt_state, params)
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params), strict=True)
+        assert float(jls.get_loss_scale(opt_state)) == 4.0
+
+
 # --- 6. errors ------------------------------------------------------------------------------
 
 

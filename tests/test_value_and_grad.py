@@ -150,6 +150,30 @@ def test_a_float16_loss_and_a_scale_beyond_float16_give_finite_gradients(scale):
     chex.assert_trees_all_close(updates, -x, rtol=2e-7)
 
 
+@pytest.mark.parametrize("scale", [2.0**16, 3.0])
+def test_a_complex_leaf_gets_the_rest_of_the_scale_as_a_real_one_does(scale):
+    """A float16 loss at 2**16: the backward pass starts from 2**15 and the rest, 2, multiplies
+    the gradients. A complex64 leaf was left at half its scaled gradient, and its update at
+    half of optax's."""
+    params = {"c": jnp.array([1 + 2j, -0.5 + 0.25j], jnp.complex64), "w": jnp.array([1.0], F32)}
+
+    def fun(p):
+        return (jnp.sum(jnp.abs(p["c"]) ** 2) + jnp.sum(p["w"] ** 2)).astype(F16)
+
+    _, grads = jls.value_and_grad(fun, jnp.float32(scale))(params)
+    true = jax.grad(lambda p: fun(p).astype(F32))(params)
+    assert grads["c"].dtype == jnp.complex64
+    assert_bits_equal(grads, jax.tree.map(lambda g: g * jnp.float32(scale), true))
+    held = jls.DynamicLossScale(scale, min_loss_scale=scale, max_loss_scale=scale)
+    tx = jls.loss_scaled(optax.sgd(0.1), held)
+    opt_state = tx.init(params)
+    _, grads = jls.value_and_grad(fun, opt_state)(params)
+    updates, _ = jax.jit(tx.update)(grads, opt_state, params)
+    expected, _ = optax.sgd(0.1).update(true, optax.sgd(0.1).init(params))
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6)  # "c" was half of it
+    np.testing.assert_allclose(np.asarray(updates["c"]), [-0.2 + 0.4j, 0.1 + 0.05j], rtol=1e-6)
+
+
 def test_value_of_a_float16_loss_stays_float16_and_is_not_rounded_through_the_scale():
     """The value is `fun`'s float16 value, not one recovered from the scaled float32 product."""
     fun = lambda p: jnp.sum(p.astype(F16))  # noqa: E731
@@ -291,10 +315,9 @@ def test_using_not_callable_is_a_type_error():
     [
         ((optax.EmptyState(), optax.ScaleByAdamState(0, {}, {})), "tuple"),
         ({"w": jnp.zeros(2)}, "dict"),
-        (2.0, "float"),
         (None, "NoneType"),
     ],
-    ids=["optax_state", "dict", "python_float", "none"],
+    ids=["optax_state", "dict", "none"],
 )
 def test_opt_state_without_loss_scaled_state_is_a_lookup_error(opt_state, kind):
     message = (
@@ -325,6 +348,18 @@ def test_opt_state_from_plain_optax_is_a_lookup_error():
 def test_a_scale_of_the_wrong_dtype_or_shape_is_a_type_error(scale, shown):
     message = (
         f"value_and_grad(opt_state={shown}): a scale given directly must be a float32 scalar array"
+    )
+    with pytest.raises(TypeError, match=exactly(message)):
+        jls.value_and_grad(jnp.sum, scale)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1024])
+def test_a_python_number_as_the_scale_is_a_type_error_that_shows_the_array_to_pass(scale):
+    """A Python number was looked up as an opt_state: a LookupError "(float) holds no
+    LossScaledState", where a scale of the wrong type is a TypeError that says what to pass."""
+    message = (
+        f"value_and_grad(opt_state={scale!r}): a scale given directly must be a float32 scalar "
+        f"array, such as jnp.float32({scale!r})"
     )
     with pytest.raises(TypeError, match=exactly(message)):
         jls.value_and_grad(jnp.sum, scale)
