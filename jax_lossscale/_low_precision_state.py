@@ -27,9 +27,16 @@ _ROUNDINGS = ("stochastic", "nearest")
 
 
 class LowPrecisionState(NamedTuple):
-    """The state of `low_precision_state`: the data of the PRNG key of the next step and
-    the inner transformation's state, its floating leaves in the dtypes chosen at init."""
+    """The state of `low_precision_state`: how many leaves each chosen dtype holds, by name
+    (`{"bfloat16": 2}` for adam's moments), the data of the PRNG key of the next step, and
+    the inner transformation's state, its floating leaves in the dtypes chosen at init.
 
+    The dtypes' names are part of the state's structure, so that orbax refuses to restore a
+    checkpoint into a state of other dtypes (a "Structure mismatch" naming `stored_in`)
+    rather than cast it; the bfloat16-weights page shows how to change a run's state dtype.
+    """
+
+    stored_in: dict[str, jax.Array]  # int32 scalars: leaves stored in each dtype
     key: jax.Array  # uint32, `jax.random.key_data` of a key
     inner_state: optax.OptState
 
@@ -109,15 +116,24 @@ def low_precision_state(
     key_data, impl = checked_key(jax.random.key(0) if key is None else key, _OWNER)
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
+        stored_in: dict[str, int] = {}
+
         def store(path: Any, leaf: Any) -> Any:
             if not _is_floating(leaf):
                 return leaf
             stored = dtype_of(path, leaf)
-            return leaf if stored is None else _nearest(leaf.astype(jnp.float32), stored)
+            if stored is None:
+                return leaf
+            stored_in[stored.name] = stored_in.get(stored.name, 0) + 1
+            return _nearest(leaf.astype(jnp.float32), stored)
 
         inner_state = jax.tree_util.tree_map_with_path(store, inner.init(params))
         # A copy: a donated state must not take the key this transformation starts from.
-        return LowPrecisionState(jnp.array(key_data, copy=True), inner_state)
+        return LowPrecisionState(
+            {name: jnp.array(count, jnp.int32) for name, count in sorted(stored_in.items())},
+            jnp.array(key_data, copy=True),
+            inner_state,
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -136,8 +152,8 @@ def low_precision_state(
         if stored is not None:
             new_updates = jax.tree.map(_cast_like, new_updates, stored)
         if rounding == "nearest":
-            return new_updates, LowPrecisionState(
-                state.key, jax.tree.map(_nearest_like, new_inner, state.inner_state)
+            return new_updates, state._replace(
+                inner_state=jax.tree.map(_nearest_like, new_inner, state.inner_state)
             )
         next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
         flat_new, treedef = jax.tree_util.tree_flatten(new_inner)
@@ -146,8 +162,8 @@ def low_precision_state(
             _stochastic_like(new, old, jax.random.fold_in(step_key, index))
             for index, (new, old) in enumerate(zip(flat_new, flat_old, strict=True))
         ]
-        return new_updates, LowPrecisionState(
-            jax.random.key_data(next_key), jax.tree.unflatten(treedef, rounded)
+        return new_updates, state._replace(
+            key=jax.random.key_data(next_key), inner_state=jax.tree.unflatten(treedef, rounded)
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ nearest rounding stops it; stochastic rounding keeps them in expectation.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,20 +189,48 @@ def test_an_orbax_checkpoint_restores_and_continues_bit_for_bit(tmp_path):
     assert_bits_equal(step(params, restored, grads), step(params, state, grads))
 
 
-def test_a_bfloat16_state_restored_into_a_float32_target_is_widened_exactly(tmp_path):
+@pytest.mark.parametrize(
+    ("saved", "target"),
+    [(BF16, F32), (F32, BF16), (BF16, "nu_in_float32")],
+    ids=["bfloat16_into_float32", "float32_into_bfloat16", "bfloat16_into_mixed"],
+)
+def test_a_state_restored_into_another_state_dtype_is_refused_then_migrated(
+    tmp_path, saved, target
+):
+    """DESIGN 3.13: refused, never cast (orbax cast it: float32 into bfloat16 rounded every
+    entry). Restored into its own dtypes and moved leaf by leaf, it continues as the target."""
     params = jnp.zeros(16)
-    narrow = jls.low_precision_state(optax.adam(1e-3), key=jax.random.key(4))
-    wide = jls.low_precision_state(optax.adam(1e-3), F32, key=jax.random.key(4))
+
+    def made(dtype):
+        if dtype == "nu_in_float32":
+            dtype = lambda path, leaf: F32 if "nu" in jax.tree_util.keystr(path) else BF16  # noqa: E731
+        return jls.low_precision_state(optax.adam(1e-3), dtype, key=jax.random.key(4))
+
+    saved_tx, target_tx = made(saved), made(target)
     grads = device_array(np.linspace(1e-3, 3e-3, 16))
-    _, state = jax.jit(narrow.update)(grads, narrow.init(params), params)
+    _, state = jax.jit(saved_tx.update)(grads, saved_tx.init(params), params)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", state)
         checkpointer.wait_until_finished()
-        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(wide.init, params))
-    assert restored.inner_state[0].nu.dtype == F32
-    assert_bits_equal(
-        restored, jax.tree.map(lambda x: x.astype(F32) if x.dtype == BF16 else x, state)
+        with pytest.raises(ValueError, match=r"Structure mismatch: .*'stored_in'"):
+            checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(target_tx.init, params))
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(saved_tx.init, params))
+    # The migration the bfloat16-weights page gives.
+    fresh = target_tx.init(params)
+    migrated = fresh._replace(
+        key=restored.key,
+        inner_state=jax.tree.map(
+            lambda new, old: old.astype(new.dtype), fresh.inner_state, restored.inner_state
+        ),
     )
+    chex.assert_trees_all_equal_structs(migrated, fresh)
+    chex.assert_trees_all_equal_dtypes(migrated, fresh)
+    assert_bits_equal(
+        migrated.inner_state,
+        jax.tree.map(lambda new, old: old.astype(new.dtype), fresh.inner_state, state.inner_state),
+    )
+    _, after = jax.jit(target_tx.update)(grads, migrated, params)
+    chex.assert_trees_all_equal_dtypes(after, fresh)
 
 
 def test_a_donated_state_under_jit_and_a_fresh_init_after_it():
