@@ -23,6 +23,7 @@ from jax_lossscale._rounding import (
     add_in_float32,
     checked_key,
     dropped,
+    dtype_counts,
     low_bits,
     narrowed,
     on_this_shard,
@@ -60,11 +61,13 @@ class KahanSummationState(NamedTuple):
     `low_bits`: by default, for a bfloat16 leaf, an int16 array of the 16 bits the float32
     sum has below the weight (the weight and it together are that float32 value).
     `compensation`: what the rounding dropped, as a float32 array for a float16 leaf by
-    default, or for every leaf as an array of the `compensation_dtype` given. The kinds are
-    kept apart so that a checkpoint of one restores into a target of the other as an
-    orbax "Structure mismatch" error rather than as cast bits.
+    default, or for every leaf as an array of the `compensation_dtype` given.
+    `stored_in`: how many buffers each dtype holds, by name (`{"int16": 1}`). The kinds,
+    and the dtypes, are part of the structure, so that a checkpoint restored into a target
+    of another kind or buffer dtype is an orbax "Structure mismatch" error rather than cast.
     """
 
+    stored_in: dict[str, jax.Array]
     low_bits: optax.Params
     compensation: optax.Params
 
@@ -259,10 +262,9 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 )
             return jnp.zeros(jnp.shape(param), kind)
 
-        return KahanSummationState(
-            jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, True), params),
-            jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, False), params),
-        )
+        bits = jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, True), params)
+        floats = jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, False), params)
+        return KahanSummationState(dtype_counts((bits, floats)), bits, floats)
 
     def update_fn(
         updates: optax.Updates,
@@ -309,9 +311,9 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
             new_floats.append(None if floats is None else dropped(total, weight, floats.dtype))
         return (
             jax.tree_util.tree_unflatten(treedef, new_updates),
-            KahanSummationState(
-                jax.tree_util.tree_unflatten(treedef, new_bits),
-                jax.tree_util.tree_unflatten(treedef, new_floats),
+            state._replace(
+                low_bits=jax.tree_util.tree_unflatten(treedef, new_bits),
+                compensation=jax.tree_util.tree_unflatten(treedef, new_floats),
             ),
         )
 

@@ -16,6 +16,7 @@ import optax
 from jax_lossscale._checks import describe, path_name
 from jax_lossscale._rounding import (
     checked_key,
+    dtype_counts,
     on_this_shard,
     round_stochastically,
     round_to_nearest,
@@ -116,24 +117,18 @@ def low_precision_state(
     key_data, impl = checked_key(jax.random.key(0) if key is None else key, _OWNER)
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
-        stored_in: dict[str, int] = {}
+        stored = []
 
         def store(path: Any, leaf: Any) -> Any:
-            if not _is_floating(leaf):
+            dtype = dtype_of(path, leaf) if _is_floating(leaf) else None
+            if dtype is None:
                 return leaf
-            stored = dtype_of(path, leaf)
-            if stored is None:
-                return leaf
-            stored_in[stored.name] = stored_in.get(stored.name, 0) + 1
-            return _nearest(leaf.astype(jnp.float32), stored)
+            stored.append(_nearest(leaf.astype(jnp.float32), dtype))
+            return stored[-1]
 
         inner_state = jax.tree_util.tree_map_with_path(store, inner.init(params))
         # A copy: a donated state must not take the key this transformation starts from.
-        return LowPrecisionState(
-            {name: jnp.array(count, jnp.int32) for name, count in sorted(stored_in.items())},
-            jnp.array(key_data, copy=True),
-            inner_state,
-        )
+        return LowPrecisionState(dtype_counts(stored), jnp.array(key_data, copy=True), inner_state)
 
     def update_fn(
         updates: optax.Updates,

@@ -273,3 +273,13 @@ def on_this_shard(key: jax.Array, value: jax.Array) -> jax.Array:
     for axis in sorted(varying_axes(value), key=str):
         key = jax.random.fold_in(key, lax.axis_index(axis))
     return key
+
+
+def dtype_counts(arrays: Any) -> dict[str, jax.Array]:
+    """How many of `arrays` (a pytree) each dtype holds, by name, as int32 scalars: a state
+    field that puts its buffers' dtypes into its structure, so that orbax refuses to restore
+    a checkpoint into a state of other dtypes ("Structure mismatch") rather than cast it."""
+    counts: dict[str, int] = {}
+    for array in jax.tree.leaves(arrays):
+        counts[array.dtype.name] = counts.get(array.dtype.name, 0) + 1
+    return {name: jnp.array(count, jnp.int32) for name, count in sorted(counts.items())}

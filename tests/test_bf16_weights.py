@@ -406,7 +406,9 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     start = np.asarray(float32_of(weight, low))
     tx = jls.kahan_summation()
     new_updates, state = jax.jit(tx.update)(
-        jnp.asarray(updates), jls.KahanSummationState(jnp.asarray(low), None), weight
+        jnp.asarray(updates),
+        tx.init(jnp.asarray(weight))._replace(low_bits=jnp.asarray(low)),
+        weight,
     )
     new = optax.apply_updates(jnp.asarray(weight), new_updates)
     total = start + updates
@@ -418,7 +420,7 @@ def test_the_default_buffer_holds_the_float32_sum_over_the_whole_range_and_at_th
     edges = device_array([3.3e38, 1.0, 1.0, 0.0, -0.0], BF16)
     low = device_array([0, 0, 0, -5, -5], np.int16)
     edge_updates = device_array([1e38, np.nan, np.inf, 1.0, -0.0])
-    new_updates, state = tx.update(edge_updates, jls.KahanSummationState(low, None), edges)
+    new_updates, state = tx.update(edge_updates, tx.init(edges)._replace(low_bits=low), edges)
     new = np.asarray(optax.apply_updates(edges, new_updates), np.float32)
     assert new[[0, 2, 3]].tolist() == [np.inf, np.inf, 1.0]
     assert np.isnan(new[1])

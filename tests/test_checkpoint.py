@@ -627,13 +627,15 @@ def test_a_checkpoint_of_the_earlier_spike_window_layout_restores_and_resumes(tm
 @pytest.mark.parametrize(
     ("saved_dtype", "target_dtype", "missing"),
     [
-        (None, jnp.float32, "compensation"),
-        (None, jnp.bfloat16, "compensation"),
-        (jnp.float32, None, "low_bits"),
-        (jnp.bfloat16, None, "low_bits"),
+        (None, jnp.float32, "float32"),
+        (None, jnp.bfloat16, "bfloat16"),
+        (jnp.float32, None, "int16"),
+        (jnp.bfloat16, None, "int16"),
+        (jnp.float32, jnp.bfloat16, "bfloat16"),  # was cast: the buffer's low bits dropped
+        (jnp.bfloat16, jnp.float32, "float32"),
     ],
 )
-def test_a_kahan_buffer_restored_into_another_kind_is_a_structure_error(
+def test_a_kahan_buffer_restored_into_another_kind_or_dtype_is_a_structure_error(
     tmp_path, saved_dtype, target_dtype, missing
 ):
     params = {"w": jnp.asarray(np.linspace(1, 2, 6, dtype=np.float32).astype(jnp.bfloat16))}
@@ -646,7 +648,7 @@ def test_a_kahan_buffer_restored_into_another_kind_is_a_structure_error(
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", opt_state)
         checkpointer.wait_until_finished()
-        with pytest.raises(ValueError, match=rf"Structure mismatch: .*'{missing}', 'w'"):
+        with pytest.raises(ValueError, match=rf"Structure mismatch: .*'stored_in', '{missing}'"):
             checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(target_tx.init, params))
         restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(saved_tx.init, params))
     assert_bits_equal(restored, opt_state)
