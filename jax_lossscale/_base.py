@@ -262,7 +262,9 @@ def scale_of(loss_scale: LossScale, state: PyTree) -> jax.Array:
 
 def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
     """Raises unless the loss scale's state holds its scale as a float32 scalar `loss_scale`,
-    where `get_loss_scale` reads it, and `loss_scale(state)` returns that value."""
+    where `get_loss_scale` reads it, and `loss_scale(state)` returns that value (and that
+    it can be hashed, as `jax.jit` does with it)."""
+    _initial_state_type(loss_scale)
     try:
         scale = jax.eval_shape(lambda: loss_scale.init().loss_scale)
     except AttributeError:
@@ -327,6 +329,18 @@ def check_loss_scale_state(loss_scale: LossScale, state: Any) -> None:
     )
 
 
-@functools.lru_cache(maxsize=128)
 def _initial_state_type(loss_scale: LossScale) -> Any:
+    try:
+        hash(loss_scale)
+    except TypeError:
+        raise TypeError(
+            f"{type(loss_scale).__name__} is not hashable: a LossScale holds hyperparameters "
+            "only, and is hashed where jax.jit takes it as a static value; make it a frozen "
+            "dataclass (@dataclasses.dataclass(frozen=True)) or define __hash__ and __eq__"
+        ) from None
+    return _cached_initial_state_type(loss_scale)
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_initial_state_type(loss_scale: LossScale) -> Any:
     return jax.eval_shape(loss_scale.init)

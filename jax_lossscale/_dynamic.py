@@ -135,6 +135,8 @@ class DynamicLossScale(LossScale):
         if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
             fail("backoff_factor", "None or in the open interval (0, 1)")
         initial = self.initial_loss_scale
+        if self.max_loss_scale is not None and self.max_loss_scale < self.min_loss_scale:
+            fail("max_loss_scale", f"None or >= min_loss_scale ({self.min_loss_scale!r})")
         if isinstance(initial, jax.Array):  # traced: init brings it within the bounds
             # What is cached by loss scale (the jitted rule, the state's shapes) is cached by
             # this equal twin, which holds no tracer, so that none outlives its trace.
@@ -207,8 +209,8 @@ class DynamicLossScale(LossScale):
         full_tolerance = np.int32(self.hysteresis)
         # A state saved under other hyperparameters (a run resumed with changed settings)
         # obeys these from this update on.
-        scale = jnp.clip(
-            state.loss_scale, np.float32(self.min_loss_scale), np.float32(self._ceiling)
+        scale = jnp.fmin(  # NaN as min_loss_scale, as `init` takes it
+            jnp.fmax(state.loss_scale, np.float32(self.min_loss_scale)), np.float32(self._ceiling)
         )
         good_steps = state.good_steps
         overflows_until_backoff = jnp.clip(state.overflows_until_backoff, 1, full_tolerance)

@@ -63,13 +63,14 @@ class MetaLeaves:
     def __init__(self, fp8_meta: Any, caller: str = "loss_scaled") -> None:
         self._predicate: Callable[[tuple[Any, ...], Any], Any] | None = None
         self._mask: PyTree = None
+        leaves = jax.tree.leaves(fp8_meta)
+        is_mask = bool(leaves) and all(isinstance(leaf, bool | np.bool_) for leaf in leaves)
         if fp8_meta is None:
             self._predicate = _under_collection
-        elif callable(fp8_meta):
+        elif callable(fp8_meta) and not is_mask:  # (an equinox mask is a callable Module)
             self._predicate = fp8_meta
         else:
-            leaves = jax.tree.leaves(fp8_meta)
-            if not leaves or not all(isinstance(leaf, bool | np.bool_) for leaf in leaves):
+            if not is_mask:
                 raise TypeError(
                     f"{caller}(fp8_meta={describe(fp8_meta)}): fp8_meta must be None (flax's "
                     f"'{OVERWRITE_WITH_GRADIENT}' collection), a predicate (path, leaf) -> bool, "

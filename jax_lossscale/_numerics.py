@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_lossscale._axes import may_be_sharded, names_of, varying_axes, varying_like
 from jax_lossscale._checks import check_array_leaves, check_axis_name, is_at_least_float32
-from jax_lossscale._platforms import Form, reciprocal_factors, row_sums
+from jax_lossscale._platforms import Form, ReciprocalFactors, reciprocal_factors, row_sums
 from jax_lossscale._types import AxisName, PyTree
 
 
@@ -91,7 +91,7 @@ class GradientSummary(NamedTuple):
 def summarize_gradients(
     tree: PyTree,
     axis_name: AxisName | None,
-    factors: tuple[jax.Array, jax.Array] | None = None,
+    factors: ReciprocalFactors | None = None,
     form: Form = Form.LOWERED,
 ) -> GradientSummary:
     """The float32 L2 norm of the floating leaves of `tree`, from one pass over them.
@@ -128,9 +128,7 @@ def summarize_gradients(
     return GradientSummary(norm, jnp.isfinite(norm), jnp.isnan(norm))
 
 
-def _square_sum(
-    parts: list[jax.Array], factors: tuple[jax.Array, jax.Array] | None, form: Form
-) -> jax.Array:
+def _square_sum(parts: list[jax.Array], factors: ReciprocalFactors | None, form: Form) -> jax.Array:
     """The float32 sum of the squares of every entry of `parts` (times `factors`).
 
     The entries are multiplied by the first factor only, and the sum by the square of the
@@ -284,12 +282,17 @@ def divide_floating(tree: PyTree, divisor: jax.Array) -> PyTree:
     return unscaled(tree, reciprocal_factors(divisor, Form.CPU))
 
 
-def unscaled(tree: PyTree, factors: tuple[jax.Array, jax.Array]) -> PyTree:
-    """`divide_floating` given the reciprocal factors of the divisor."""
-    reciprocal, correction = Broadcasts(factors[0]), Broadcasts(factors[1])
+def unscaled(tree: PyTree, factors: ReciprocalFactors) -> PyTree:
+    """`divide_floating` given the reciprocal factors of the divisor: a leaf wider than
+    float32 (float64 under x64) is divided by the divisor in its own dtype, whose precision
+    the float32 reciprocal would not keep."""
+    reciprocal, correction = Broadcasts(factors.first), Broadcasts(factors.second)
+    divisor = Broadcasts(factors.divisor)
 
     def unscale(leaf: jax.Array, wide: Any) -> jax.Array:
         leaf = in_dtype(leaf, wide)
+        if jnp.finfo(wide).bits > 32:
+            return jax.lax.div(leaf, divisor.like(leaf))
         # (The correction first: the check multiplies by the reciprocal alone, and XLA
         # would share that product with it and keep it in memory for both.)
         return jax.lax.mul(jax.lax.mul(leaf, correction.like(leaf)), reciprocal.like(leaf))
@@ -319,9 +322,7 @@ def in_unscaled_dtypes(params: PyTree) -> PyTree:
     )
 
 
-def unscaled_gradients(
-    scaled_grads: PyTree, factors: tuple[jax.Array, jax.Array], params: PyTree
-) -> PyTree:
+def unscaled_gradients(scaled_grads: PyTree, factors: ReciprocalFactors, params: PyTree) -> PyTree:
     """The gradients as the inner optimizer takes them: `scaled_grads` unscaled by the
     reciprocal `factors`, each float16 leaf in its param's dtype where that is wider than
     float32 (float64 under x64), when `params` has the gradients' structure."""

@@ -20,7 +20,7 @@ go through the choice. Tests pass `Form.CPU` or `Form.GPU` to run either form on
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,16 @@ def chosen(form: Form, gpu: Callable[..., Any], other: Callable[..., Any], *args
     return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=other)
 
 
-def reciprocal_factors(divisor: jax.Array, form: Form) -> tuple[jax.Array, jax.Array]:
+class ReciprocalFactors(NamedTuple):
+    """`1 / divisor` as two float32 factors, and the divisor itself (float32), by which a
+    gradient wider than float32 is divided in its own dtype."""
+
+    first: jax.Array
+    second: jax.Array
+    divisor: jax.Array
+
+
+def reciprocal_factors(divisor: jax.Array, form: Form) -> ReciprocalFactors:
     """Two float32 factors whose product is `1 / divisor`, neither of them subnormal (which
     XLA flushes to zero on some backends): the first is `1 / min(divisor, 2**126)`, the
     second 1.0 unless `divisor` exceeds 2**126.
@@ -68,8 +77,8 @@ def reciprocal_factors(divisor: jax.Array, form: Form) -> tuple[jax.Array, jax.A
     def apart() -> tuple[jax.Array, jax.Array]:
         return 1 / bounded, bounded / divisor
 
-    factors: tuple[jax.Array, jax.Array] = chosen(form, paired, apart)
-    return factors
+    first, second = chosen(form, paired, apart)
+    return ReciprocalFactors(first, second, divisor)
 
 
 ROW = 512  # entries: squares are summed over rows of this many first

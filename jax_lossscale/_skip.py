@@ -26,7 +26,7 @@ from jax.extend.core.primitives import cond_p
 from jax_lossscale._axes import varying_like
 from jax_lossscale._checks import path_name
 from jax_lossscale._numerics import in_unscaled_dtypes
-from jax_lossscale._platforms import Form, chosen
+from jax_lossscale._platforms import Form, ReciprocalFactors, chosen
 from jax_lossscale._types import PyTree
 
 
@@ -36,7 +36,7 @@ class Operands(NamedTuple):
     scaled_grads: PyTree
     inner_state: optax.OptState
     params: optax.Params
-    factors: tuple[jax.Array, jax.Array]
+    factors: ReciprocalFactors
     extra_args: dict[str, Any]
 
 

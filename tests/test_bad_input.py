@@ -321,9 +321,9 @@ for _value in [1, 0, "yes", None]:
 add_hyperparameter(
     jls.DynamicLossScale,
     {"initial_loss_scale": 4.0, "min_loss_scale": 8.0, "max_loss_scale": 2.0},
-    "initial_loss_scale",
+    "max_loss_scale",
     ValueError,
-    ">= min_loss_scale (8.0)",
+    "None or >= min_loss_scale (8.0)",
 )
 add_hyperparameter(
     jls.DynamicLossScale,

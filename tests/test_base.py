@@ -74,6 +74,38 @@ class HalvingLossScale(jls.LossScale):
         return {"initial": self.initial}
 
 
+def test_a_subclass_that_cannot_be_hashed_is_refused_saying_how_to_fix_it():
+    """A plain (not frozen) dataclass has no hash: `ls(state)` and `tx.update` raised a bare
+    `TypeError: unhashable type: 'Unfrozen'` from a cache inside the library."""
+
+    @dataclasses.dataclass
+    class Unfrozen(jls.LossScale):
+        initial: float = 8.0
+
+        def init(self):
+            return HalvingState(jnp.asarray(self.initial, jnp.float32))
+
+        def adjust(self, state, grads_finite):
+            return state, grads_finite
+
+        def get_config(self):
+            return {"initial": self.initial}
+
+    message = (
+        "Unfrozen is not hashable: a LossScale holds hyperparameters only, and is hashed "
+        "where jax.jit takes it as a static value; make it a frozen dataclass "
+        "(@dataclasses.dataclass(frozen=True)) or define __hash__ and __eq__"
+    )
+    loss_scale = Unfrozen()
+    for call in (
+        lambda: loss_scale(HalvingState(jnp.float32(8.0))),
+        lambda: jls.loss_scaled(optax.sgd(0.1), loss_scale),
+    ):
+        with pytest.raises(TypeError) as excinfo:
+            call()
+        assert str(excinfo.value) == message
+
+
 @pytest.mark.parametrize("method", ["update", "scale", "unscale"])
 def test_a_subclass_defining_a_final_method_is_refused_naming_adjust(method):
     """`update`, `scale` and `unscale` are final: defining one (as a subclass that logged in

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import itertools
+import re
 
 import chex
 import jax
@@ -687,6 +688,47 @@ def test_a_traced_initial_scale_is_brought_within_the_bounds_by_init(value, expe
     chex.assert_trees_all_equal(
         state, jls.DynamicLossScaleState(jnp.float32(expected), jnp.int32(0), jnp.int32(1))
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "steps", "expected"),
+    [
+        (0.0, "TTT", [4.0, 8.0, 16.0]),  # from the minimum, 2, grown at every step (period 1)
+        (np.nan, "TTT", [4.0, 8.0, 16.0]),
+        (np.inf, "FTT", [512.0, 1024.0, 1024.0]),  # from the maximum, backed off, grown back
+    ],
+)
+def test_a_state_whose_scale_is_out_of_bounds_or_nan_is_brought_back_as_init_does(
+    value, steps, expected
+):
+    """A state's scale of 0 or inf came back within the bounds on the next update, but a
+    NaN one stayed NaN (jnp.clip keeps it), and loss_scaled skipped every step for good.
+    NaN is the minimum now, as `init` takes a NaN initial scale."""
+    ls = jls.DynamicLossScale(8.0, increment_period=1, min_loss_scale=2.0, max_loss_scale=1024.0)
+    state = ls.init()._replace(loss_scale=jnp.float32(value))
+    scales = []
+    for flag in steps:
+        state, _ = jax.jit(ls.adjust)(state, jnp.array(flag == "T"))
+        scales.append(float(state.loss_scale))
+    assert scales == expected
+
+
+def test_max_below_min_is_named_before_a_traced_initial_scale_is_checked():
+    """The traced initial scale is checked as min_loss_scale: max_loss_scale < min_loss_scale
+    was reported as "max_loss_scale must be None or >= initial_loss_scale (10.0)", a value
+    never passed as the initial scale."""
+    message = (
+        "DynamicLossScale(max_loss_scale=5.0): max_loss_scale must be None or >= "
+        "min_loss_scale (10.0)"
+    )
+
+    def build(scale):
+        return jls.DynamicLossScale(scale, min_loss_scale=10.0, max_loss_scale=5.0).init()
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # (jax adds a note)
+        jax.jit(build)(jnp.float32(8.0))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build(8.0)
 
 
 def test_a_traced_initial_scale_compares_by_the_other_fields_and_has_no_config():

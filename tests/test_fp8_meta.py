@@ -297,6 +297,31 @@ def test_small_tree_rules(jit_or_eager, fp8_meta, loss_scale):
     assert float(stats.loss_scale) == (2.0 if loss_scale == "dynamic" else 4.0)
 
 
+def test_an_equinox_mask_of_a_callable_module_is_a_mask_not_a_predicate(jit_or_eager):
+    """An equinox mask (`jax.tree.map(lambda _: False, model)`, then `eqx.tree_at`) is an
+    instance of the model's class, callable: it was called as a predicate `(path, leaf)`,
+    and raised `TypeError: __call__() takes 2 positional arguments but 3 were given`."""
+    import equinox as eqx
+
+    class Fp8Linear(eqx.Module):
+        w: jax.Array
+        amax_history: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w
+
+    params = Fp8Linear(jnp.ones((2, 2)), jnp.zeros(4))
+    mask = eqx.tree_at(lambda m: m.amax_history, jax.tree.map(lambda _: False, params), True)
+    assert callable(mask)
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(4.0), fp8_meta=mask)
+    grads = Fp8Linear(jnp.full((2, 2), 4.0), jnp.array([5.0, 0.0, 0.0, 0.0]))
+    updates, opt_state = jit_or_eager(tx.update, grads, tx.init(params), params)
+    new = eqx.apply_updates(params, updates)
+    chex.assert_trees_all_equal(new.w, jnp.full((2, 2), 0.9))  # 1 - 0.1 * 4 / 4
+    chex.assert_trees_all_equal(new.amax_history, jnp.array([5.0, 0.0, 0.0, 0.0]))  # set
+    assert float(jls.get_loss_scale_stats(opt_state).grad_norm) == 2.0  # w's alone
+
+
 def test_bad_fp8_meta_arguments():
     with pytest.raises(TypeError, match=r"loss_scaled\(fp8_meta=3\): fp8_meta must be None"):
         jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(), fp8_meta=3)

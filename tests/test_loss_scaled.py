@@ -659,6 +659,29 @@ def test_float16_gradients_of_float64_params_come_back_float64(jit_or_eager):
         )
 
 
+@pytest.mark.parametrize(
+    "loss_scale",
+    [jls.FixedLossScale(3.0), jls.DynamicLossScale(3.0**10, multiplier=3.0)],
+    ids=["fixed_3", "dynamic_3**10"],
+)
+def test_float64_gradients_are_unscaled_in_float64(jit_or_eager, loss_scale):
+    """Under x64 a float64 gradient was multiplied by the float32 reciprocal of the scale:
+    off by up to 3e-8 (a float32 rounding) for a scale of 3, where float64 division is exact
+    to 1e-16. Now it is divided by the scale in float64, bit for bit as by hand."""
+    with jax.enable_x64(True):
+        true = np.array([1.0, 7.0, 1e-3, -2.5e-7], np.float64)
+        scale = np.float64(np.float32(3.0 if isinstance(loss_scale, jls.FixedLossScale) else 3**10))
+        grads = {"w": jnp.asarray(true * scale), "v": jnp.asarray(np.float32([6.0]))}
+        params = {"w": jnp.asarray(np.zeros(4)), "v": jnp.asarray(np.float32([0.0]))}
+        tx = jls.loss_scaled(optax.sgd(1.0), loss_scale)
+        updates, _ = jit_or_eager(tx.update, grads, tx.init(params), params)
+        assert updates["w"].dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(updates["w"]), -(true * scale) / scale)
+        np.testing.assert_allclose(np.asarray(updates["w"]), -true, rtol=1e-15)
+        unscaled = loss_scale.unscale(loss_scale.init(), grads)
+        np.testing.assert_array_equal(np.asarray(unscaled["w"]), (true * scale) / scale)
+
+
 def test_float64_and_float32_gradients_together_are_checked_as_bare_optax_takes_them(
     jit_or_eager,
 ):
