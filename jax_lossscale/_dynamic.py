@@ -40,7 +40,7 @@ class DynamicLossScale(LossScale):
     state):
 
         # a state made under other hyperparameters is brought within these first
-        scale = clip(scale, min_loss_scale, max_loss_scale)
+        scale = clip(scale, min_loss_scale, max_loss_scale)  # NaN as min_loss_scale
         overflows_until_backoff = clip(overflows_until_backoff, 1, hysteresis)
         if every gradient is finite:
             good_steps += 1

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import pathlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -190,14 +191,28 @@ def _stats_template() -> StepStats:
 def explaining_failures(
     inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
 ) -> Iterator[None]:
-    """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s."""
+    """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s;
+    one raised by this library (a remedy's, which names its cause) goes through as it is."""
     try:
         yield
     except Exception as error:
+        if _raised_by_this_library(error):
+            raise
         mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
         if mismatch is None:
             raise
         raise TypeError(mismatch) from error
+
+
+def _raised_by_this_library(error: Exception) -> bool:
+    """Whether the innermost frame of `error`'s traceback is in this package."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and pathlib.Path(frame.tb_frame.f_code.co_filename).parent == _HERE
+
+
+_HERE = pathlib.Path(__file__).parent
 
 
 def _inner_state_mismatch(

@@ -471,15 +471,20 @@ def test_stochastic_rounding_marks_float16_weights_inside_loss_scaled():
     assert rounded["w"].dtype == F16
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["alone", "inside_loss_scaled"])
 @pytest.mark.parametrize("remedy", ["sr", "kahan", "kahan f32"])
-def test_a_rounded_weight_that_comes_back_float32_is_an_error_naming_apply_updates(remedy):
+def test_a_rounded_weight_that_comes_back_float32_is_an_error_naming_apply_updates(remedy, inside):
     """eqx.apply_updates (or params + updates) makes the bfloat16 weights float32; the
-    next step would drop Kahan's buffers or pass everything through."""
+    next step would drop Kahan's buffers or pass everything through. Inside loss_scaled
+    the message was replaced by "state.inner_state has the structure ..., pass the state
+    returned by this transformation's init()", which it was."""
     tx = {
         "sr": jls.stochastic_rounding(jax.random.key(0)),
         "kahan": jls.kahan_summation(),
         "kahan f32": jls.kahan_summation(F32),
     }[remedy]
+    if inside:
+        tx = jls.loss_scaled(tx, jls.DynamicLossScale(1.0))
     params = {"w": np.ones(4, BF16), "f": np.ones(2, F32)}
     grads = {"w": np.full(4, 1e-3, F32), "f": np.ones(2, F32)}
     params, grads = jax.tree.map(jnp.asarray, (params, grads))  # jax arrays, no op compiled
@@ -786,8 +791,9 @@ def test_a_non_floating_compensation_dtype_is_an_error_naming_it(dtype, error):
         functools.partial(jls.kahan_summation),
     ],
 )
-def test_update_without_params_is_an_error(tx):
-    tx = tx()
+@pytest.mark.parametrize("inside", [False, True], ids=["alone", "inside_loss_scaled"])
+def test_update_without_params_is_an_error(tx, inside):
+    tx = jls.loss_scaled(tx(), jls.FixedLossScale(1.0)) if inside else tx()
     params = jnp.asarray(np.ones(2, BF16))
     with pytest.raises(ValueError, match=r"\.update: params are required"):
         tx.update(jnp.asarray(np.ones(2, F32)), tx.init(params))
