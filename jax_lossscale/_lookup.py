@@ -21,9 +21,10 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 
     The `LossScaledState` may sit anywhere in `opt_state`: inside `optax.chain`,
     `optax.inject_hyperparams`, `optax.MultiSteps` or any other nesting, in a flax
-    `nnx.Optimizer` (pass the optimizer, its `opt_state` or `nnx.state(optimizer)`)
-    or in any pytree that holds it. Multiply the loss by this scale before
-    differentiating.
+    `nnx.Optimizer` (pass the optimizer, its `opt_state` or `nnx.state(optimizer)`, a
+    mapping of the state's fields, which holds no `loss_scale` that a custom loss scale's
+    state gives as a property) or in any pytree that holds it. Multiply the loss by this
+    scale before differentiating.
 
     Raises:
       LookupError: if `opt_state` holds no `LossScaledState`.
@@ -117,9 +118,15 @@ def _read_scale(state: Any, caller: str) -> jax.Array:
     except (AttributeError, KeyError, TypeError):
         scale = None
     if getattr(scale, "dtype", None) != np.float32:
+        hint = (
+            "; a mapping of its fields (nnx.state(optimizer) gives one) has no loss_scale "
+            "property: pass the Optimizer or its opt_state"
+            if isinstance(loss_scale_state, Mapping) and scale is None
+            else ""
+        )
         raise LookupError(
             f"{caller}: the loss scale's state in opt_state ({type(loss_scale_state).__name__}) "
-            "holds no float32 loss_scale"
+            f"holds no float32 loss_scale{hint}"
         )
     return cast(jax.Array, scale)  # a float32 array, as just checked
 

@@ -1,9 +1,12 @@
 """`get_loss_scale` and `get_loss_scale_stats` (`_lookup`): the state found wherever it sits in
 an optax state, and the errors when it is absent or ambiguous."""
 
+import dataclasses
 import re
+from typing import NamedTuple
 
 import chex
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -152,3 +155,40 @@ def test_optax_tree_get_finds_the_one_grad_norm_with_spike_windows_on():
         if name not in ("values", "filled", "next_index")
     ]
     assert len(names) == len(set(names)), sorted(names)
+
+
+def test_a_scale_held_as_a_property_is_read_from_the_optimizer_and_named_in_nnx_state():
+    """A custom loss scale whose state gives `loss_scale` as a property: read from the nnx
+    Optimizer and its opt_state; `nnx.state(optimizer)` is a mapping of the fields alone,
+    and its error said only "holds no float32 loss_scale"."""
+    from flax import nnx
+
+    class Log2State(NamedTuple):
+        log2: jax.Array
+
+        @property
+        def loss_scale(self):
+            return jnp.ldexp(jnp.float32(1), self.log2)
+
+    @dataclasses.dataclass(frozen=True)
+    class Log2Scale(jls.LossScale):
+        def init(self):
+            return Log2State(jnp.int32(10))
+
+        def adjust(self, state, grads_finite):
+            return Log2State(jnp.where(grads_finite, state.log2, state.log2 - 1)), grads_finite
+
+        def get_config(self):
+            return {}
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jls.loss_scaled(optax.sgd(0.1), Log2Scale()), wrt=nnx.Param)
+    assert float(jls.get_loss_scale(optimizer)) == 1024.0
+    assert float(jls.get_loss_scale(optimizer.opt_state)) == 1024.0
+    message = (
+        "get_loss_scale: the loss scale's state in opt_state (dict) holds no float32 "
+        "loss_scale; a mapping of its fields (nnx.state(optimizer) gives one) has no "
+        "loss_scale property: pass the Optimizer or its opt_state"
+    )
+    with pytest.raises(LookupError, match=f"^{re.escape(message)}$"):
+        jls.get_loss_scale(nnx.state(optimizer))
