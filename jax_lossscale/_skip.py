@@ -191,10 +191,14 @@ def joined_dtype(old: Any, new: Any, path: Any, caller: str) -> Any:
     """The dtype that holds every value of `old` and of `new` exactly, the first of: `new`,
     `old`, their promotion, float32 (bfloat16 moments that become float32 stay float32 on a
     skip; float32 between two 8-bit floats that do not promote); a `TypeError` naming the
-    state leaf at `path` where none does (int32 into float32), since a skip could not keep it.
+    state leaf at `path` where none does (float32 into int32), since a skip could not keep
+    it. An integer leaf that the update makes floating (adam's moments of integer params,
+    made by `zeros_like`) takes the floating dtype, as bare optax's state does after a step.
     """
     if old == new:  # (a typed PRNG key's dtype too, which jnp.dtype does not take)
         return new
+    if jnp.issubdtype(old, jnp.integer) and jnp.issubdtype(new, jnp.inexact):
+        return jnp.dtype(new)
     candidates = [jnp.dtype(new), jnp.dtype(old)]
     # As between 8-bit floats: jax's TypePromotionError, a ValueError (not in jax.dtypes
     # before jax 0.10.1).

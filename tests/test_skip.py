@@ -203,22 +203,44 @@ def test_which_dtype_holds_another_exactly(dtype, other, holds):
 
 def test_a_state_leaf_no_dtype_holds_exactly_is_refused_naming_it():
     def init(params):
-        return {"count": jnp.zeros([], jnp.int32)}
+        return {"total": jnp.zeros([], jnp.float32)}
 
     def update(updates, state, params=None):
-        return updates, {"count": state["count"].astype(jnp.float32) + 1}
+        return updates, {"total": state["total"].astype(jnp.int32) + 1}
 
     tx = jls.loss_scaled(optax.GradientTransformation(init, update), jls.DynamicLossScale())
     params = {"w": jnp.zeros(2)}
     with pytest.raises(
         TypeError,
         match=re.escape(
-            "loss_scaled.update: inner.update turns the state leaf at ['count'] from int32 into "
-            "float32, and no dtype holds the values of both exactly, so a skipped step could "
+            "loss_scaled.update: inner.update turns the state leaf at ['total'] from float32 "
+            "into int32, and no dtype holds the values of both exactly, so a skipped step could "
             "not keep it"
         ),
     ):
         tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+def test_adam_on_integer_params_runs_as_bare_adam_does_and_skips():
+    """optax.adam's moments of an integer param start as int32 zeros (`zeros_like`) and are
+    float32 after a step: bare adam takes that, and loss_scaled refused it ("from int32 into
+    float32 ... a skipped step could not keep it"). The state takes float32, as bare's does."""
+    params = {"w": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4])}
+    grads = {"w": jnp.array([0.5, -1.0]), "i": jnp.zeros(2, jnp.int32)}
+    bare = optax.adam(0.1)
+    expected, bare_state = jax.jit(bare.update)(grads, bare.init(params), params)
+    tx = jls.loss_scaled(optax.adam(0.1), jls.DynamicLossScale(2.0))
+    step = jax.jit(tx.update, donate_argnums=1)
+    scaled = {"w": grads["w"] * 2.0, "i": grads["i"]}
+    updates, opt_state = step(scaled, tx.init(params), params)
+    chex.assert_trees_all_equal(updates, expected)
+    chex.assert_trees_all_equal(opt_state.inner_state, bare_state)
+    before = jax.tree.map(np.array, opt_state.inner_state)
+    bad = {"w": jnp.array([jnp.inf, 1.0]), "i": grads["i"]}
+    updates, opt_state = step(bad, opt_state, params)
+    assert_bits_equal(optax.apply_updates(params, updates), params)
+    assert_bits_equal(opt_state.inner_state, before)
+    assert float(jls.get_loss_scale(opt_state)) == 1.0
 
 
 SKIP_FORMS = {
