@@ -12,7 +12,7 @@ from jax_lossscale._numerics import (
     summarize_gradients,
     unscaled_gradients,
 )
-from jax_lossscale._platforms import Form, reciprocal_factors, scalars_written_together
+from jax_lossscale._platforms import Form, reciprocal_factors, scalars_read_together
 from jax_lossscale._skip import Operands, apply_or_skip, initial_inner_state
 from jax_lossscale._spikes import SpikeRule
 from jax_lossscale._states import (
@@ -159,6 +159,7 @@ def in_form(
 
         # One pass over the scaled gradients gives the unscaled gradients' norm and flags.
         summary = meta.joined(summarize_gradients(scaled_grads, axis_name, factors, form))
+        state, summary = scalars_read_together((state, summary), form)  # on a GPU: one vector
         loss_scale_state, scale_applies = loss_scale.adjust(state.loss_scale_state, summary.finite)
         check_should_apply(loss_scale, scale_applies, "loss_scaled")
         spike, apply = spike_rule.decide(summary, loss, state.spike_windows, scale_applies)
@@ -177,7 +178,7 @@ def in_form(
         stats = next_stats(state.stats, summary, applied=apply, spike=spike)
         spike_windows = spike_rule.record(state.spike_windows, summary.norm, loss, apply)
         new_state = LossScaledState(inner_state, loss_scale_state, stats, spike_windows)
-        return new_updates, scalars_written_together(new_state, form)
+        return new_updates, new_state
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

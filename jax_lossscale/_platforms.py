@@ -10,7 +10,10 @@ XLA gets, measured on each (docs/design.md):
   into two kernels that fuse with nothing;
 * the skip of a step whose inner state is larger than the gradients (adam's): a `lax.cond` on
   the CPU and on TPUs, which runs the update only when it is applied, and selects on a GPU,
-  where a conditional makes the host wait for the device at every step.
+  where a conditional makes the host wait for the device at every step;
+* the reciprocal factors of the scale, from one division of a pair on a GPU;
+* the step's scalars, read out of one vector on a GPU, where each small computation of a
+  scalar would otherwise be a kernel of its own (`scalars_read_together`).
 
 `Form.LOWERED`, what `loss_scaled` uses, takes the form of the platform the step is lowered
 for (`jax.lax.platform_dependent`: the platform's branch is chosen by a constant that XLA folds,
@@ -128,55 +131,70 @@ def _add_and_or(
     return left[0] + right[0], left[1] | right[1]
 
 
-def scalars_written_together(tree: Any, form: Form) -> Any:
-    """`tree`, whose 32-bit scalar leaves a GPU writes in one kernel (elsewhere, `tree`).
+def scalars_read_together(tree: Any, form: Form) -> Any:
+    """`tree`, whose scalar leaves (32-bit ones and booleans) a GPU reads out of one vector
+    (elsewhere, `tree`).
 
-    XLA:GPU launches a kernel for each small computation of a scalar (a counter, the scale,
-    a select between old and new) that no larger kernel takes in, since it merges no kernels
-    over scalar operands. So the scalars' bits are stacked into one vector (one kernel
-    computes them all), which a barrier keeps XLA from taking apart again, and each is read
-    back out with `max(b, b >> 1)`, which is `b` for unsigned bits but is an elementwise
-    operation, so that XLA writes them all in one more kernel. Weakly typed leaves stay out,
-    since the bits come back strong, and so do PRNG keys. Other platforms gain nothing from
-    it and compile it: there `tree` comes back as it is.
+    XLA:GPU launches a kernel for each small computation of a scalar (a counter, the scale, a
+    select between old and new, adam's bias corrections) that no larger kernel takes in, since
+    it merges kernels that share an operand larger than a scalar, and none that share scalars
+    only. So the step's scalar inputs (the state's, and the flags and norm of the gradients)
+    are stacked as bits into one vector, in the kernel that computes the flags, and a barrier
+    keeps XLA from taking it apart again. Each is read back out with `max(b, b >> 1)`, which is
+    `b` for unsigned bits (a boolean's 0 or 1 included) but an elementwise operation, so that
+    every computation of the step's scalars reads that vector and XLA merges them into one
+    kernel or two. Every old value is read then, so `jit` keeps each donated scalar's buffer
+    for its new value. Weakly typed leaves stay out, since their bits come back strong, and so
+    do PRNG keys. Other platforms gain nothing from it and compile it: there `tree` comes back
+    as it is.
     """
     leaves, structure = jax.tree.flatten(tree)
-    scalars = [index for index, leaf in enumerate(leaves) if _is_written_together(leaf)]
+    scalars = [index for index, leaf in enumerate(leaves) if _is_read_together(leaf)]
     if len(scalars) < 2:
         return tree
     # Only the scalars go through the choice: its branches are traced for every leaf given.
-    written = chosen(form, _written_together, lambda given: given, [leaves[i] for i in scalars])
-    for index, leaf in zip(scalars, written, strict=True):
+    read = chosen(form, _read_together, lambda given: given, [leaves[i] for i in scalars])
+    for index, leaf in zip(scalars, read, strict=True):
         leaves[index] = leaf
     return jax.tree.unflatten(structure, leaves)
 
 
-def _is_written_together(leaf: Any) -> bool:
+def _is_read_together(leaf: Any) -> bool:
     aval = jax.typeof(leaf) if isinstance(leaf, jax.Array) else None
     return (
         aval is not None
         and aval.ndim == 0
-        and aval.dtype.itemsize == 4
+        and (aval.dtype.itemsize == 4 or aval.dtype == np.bool_)
         and not jnp.issubdtype(aval.dtype, jax.dtypes.extended)  # a PRNG key
         and not aval.weak_type
     )
 
 
-def _written_together(scalars: list[jax.Array]) -> list[jax.Array]:
+def _read_together(scalars: list[jax.Array]) -> list[jax.Array]:
     groups: dict[Any, list[int]] = {}  # by the mapped axes a value varies over (shard_map)
     for index, scalar in enumerate(scalars):
         groups.setdefault(varying_axes(scalar), []).append(index)
-    written = list(scalars)
+    read = list(scalars)
     for group in groups.values():
         if len(group) < 2:
             continue
         bits = jax.lax.optimization_barrier(
-            jax.lax.concatenate(
-                [jax.lax.bitcast_convert_type(scalars[i], np.uint32).reshape(1) for i in group], 0
-            )
+            jax.lax.concatenate([_as_bits(scalars[i]).reshape(1) for i in group], 0)
         )
         for position, index in enumerate(group):
             value = jax.lax.index_in_dim(bits, position, keepdims=False)
-            read = jax.lax.max(value, jax.lax.shift_right_logical(value, np.uint32(1)))
-            written[index] = jax.lax.bitcast_convert_type(read, scalars[index].dtype)
-    return written
+            value = jax.lax.max(value, jax.lax.shift_right_logical(value, np.uint32(1)))
+            read[index] = _from_bits(value, scalars[index].dtype)
+    return read
+
+
+def _as_bits(scalar: jax.Array) -> jax.Array:
+    if scalar.dtype == np.bool_:
+        return jax.lax.convert_element_type(scalar, np.uint32)
+    return jax.lax.bitcast_convert_type(scalar, np.uint32)
+
+
+def _from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+    if dtype == np.bool_:
+        return jax.lax.ne(bits, np.uint32(0))
+    return jax.lax.bitcast_convert_type(bits, dtype)

@@ -141,15 +141,8 @@ def next_stats(
     skip, else a spike skip (or none of these, when a custom LossScale skipped finite
     gradients)."""
     skipped = jnp.logical_not(applied)
-    # The two fields no rule reads are read here, so that `jit` keeps their donated buffers
-    # and writes the new values over them: an output that aliases no input is a fresh
-    # buffer at every step, and XLA:GPU then updates every kernel of its command buffer
-    # that touches it (ten of the 21 of an adam step) before each launch.
-    grad_norm, applied, _ = jax.lax.optimization_barrier(
-        (summary.norm, applied, (old.grad_norm, old.last_step_applied))
-    )
     return StepStats(
-        grad_norm=grad_norm,
+        grad_norm=summary.norm,
         skipped_steps=counted(old.skipped_steps, skipped),
         nan_skipped_steps=counted(old.nan_skipped_steps, skipped & summary.has_nan),
         inf_skipped_steps=counted(

@@ -143,9 +143,10 @@ def test_the_reciprocal_factors_on_a_gpu_are_the_cpu_ones_bit_for_bit():
     assert float(gpu[1][-2]) == 0.5  # 2**127: bounded at 2**126, then corrected by a half
 
 
-def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types():
-    """Every 32-bit scalar goes through the stacked bits and comes back bit for bit (a NaN's
-    payload, -0.0, a subnormal, a negative count); everything else is left as it was."""
+def test_the_scalars_read_together_on_a_gpu_keep_their_bits_and_types():
+    """Every 32-bit scalar and boolean goes through the stacked bits and comes back bit for
+    bit (a NaN's payload, -0.0, a subnormal, a negative count, true and false); everything
+    else is left as it was."""
     nan_with_payload = np.array(0x7FC01234, np.uint32).view(np.float32)
     tree = {
         "scale": jnp.float32(-0.0),
@@ -155,13 +156,14 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types():
         "bits": jnp.uint32(0xFFFFFFFF),
         "half": jnp.float16(3.0),
         "flag": jnp.bool_(True),
+        "unset": jnp.bool_(False),
         "vector": jnp.arange(3.0),
         "weak": jnp.asarray(2.0),  # weakly typed: left out, its type would come back strong
         "key": jax.random.key(0),
         "none": None,
     }
-    written_together = jax.jit(lambda tree: _platforms.scalars_written_together(tree, Form.GPU))
-    out = written_together(tree)
+    read_together = jax.jit(lambda tree: _platforms.scalars_read_together(tree, Form.GPU))
+    out = read_together(tree)
     assert jax.tree.structure(out) == jax.tree.structure(tree)
     for name, leaf in tree.items():
         if leaf is not None:
@@ -170,12 +172,12 @@ def test_the_scalars_written_together_on_a_gpu_keep_their_bits_and_types():
             if name == "key":
                 got, expected = jax.random.key_data(got), jax.random.key_data(expected)
             assert_bits_equal(got, expected)
-    jaxpr = jax.make_jaxpr(lambda tree: _platforms.scalars_written_together(tree, Form.GPU))(tree)
+    jaxpr = jax.make_jaxpr(lambda tree: _platforms.scalars_read_together(tree, Form.GPU))(tree)
     [stacked] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
-    assert stacked.outvars[0].aval.shape == (5,)  # scale, nan, tiny, count, bits
+    assert stacked.outvars[0].aval.shape == (7,)  # scale, nan, tiny, count, bits, flag, unset
 
 
-def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes():
+def test_the_scalars_read_together_under_shard_map_keep_their_varying_axes():
     """Inside `shard_map`, a scalar that varies over the devices and one that does not are
     stacked apart, and each comes back with its own type."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
@@ -183,7 +185,7 @@ def test_the_scalars_written_together_under_shard_map_keep_their_varying_axes():
     def body(x):
         varying = jnp.sum(x).astype(jnp.int32)
         tree = {"a": jnp.float32(1.5), "b": jnp.int32(4), "c": varying, "d": varying * 2}
-        out = _platforms.scalars_written_together(tree, Form.GPU)
+        out = _platforms.scalars_read_together(tree, Form.GPU)
         for name in tree:
             assert jax.typeof(out[name]) == jax.typeof(tree[name]), name
         return jnp.stack([out["a"].astype(jnp.int32), out["b"], out["c"], out["d"]])[None]
