@@ -21,6 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
 from jax_lossscale._fp8_meta import OVERWRITE_WITH_GRADIENT
+from jax_lossscale._loss_scaled import in_form
+from jax_lossscale._platforms import Form
 
 from helpers import assert_bits_equal
 
@@ -669,15 +671,16 @@ def _tiny_variables():
 
 
 @functools.cache
-def _long_run(steps, loss_dtype, initial_scale):
+def _long_run(steps, loss_dtype, initial_scale, form=Form.LOWERED):
     """The whole-tree and exact routes side by side over `steps` steps of one `lax.scan`: the
-    scale grows every 20 clean steps and backs off at an inf pixel every 25th step."""
+    scale grows every 20 clean steps and backs off at an inf pixel every 25th step. `form`:
+    the platform form of `loss_scaled`'s step (`_loss_scaled.in_form`)."""
 
     def _tiny_loss(variables, x, y):
         return jnp.mean((TinyMLP().apply(variables, x) - y) ** 2).astype(loss_dtype)
 
     scale = jls.DynamicLossScale(initial_scale, increment_period=20)
-    tx = jls.loss_scaled(optax.adam(3e-3), scale)
+    tx = in_form(form, optax.adam(3e-3), scale)
     variables = _tiny_variables()
     w_true = jnp.array([[1.0], [-2.0], [0.5], [1.5]])
 
@@ -737,6 +740,27 @@ def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
     np.testing.assert_allclose(history, expected, rtol=1e-6, atol=0)
     late_whole, late_exact = loss_whole[-50:].mean(), loss_exact[-50:].mean()
     assert abs(late_whole - late_exact) <= 0.1 * late_exact, (late_whole, late_exact)
+
+
+def test_the_gpu_form_decides_and_keeps_fp8_meta_as_the_cpu_form_with_a_float16_loss():
+    """fp8 layers with a float16 loss over 400 steps in the GPU form, whose step reads the
+    state's scalars out of one vector: the CPU form's decisions and scale exactly, and its
+    output gradients' amax history to float32 rounding (the programs are fused differently)."""
+    cpu = _long_run(400, jnp.float16, 2.0**15)  # lowered for this CPU: the CPU form
+    gpu = _long_run(400, jnp.float16, 2.0**15, Form.GPU)
+    (cpu_whole, cpu_state, _, _), cpu_outputs = cpu
+    (gpu_whole, gpu_state, _, gpu_exact_state), gpu_outputs = gpu
+    for got, expected in zip(gpu_outputs[:2], cpu_outputs[:2], strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert int(np.asarray(gpu_outputs[0]).sum()) == 384  # 16 inf pixels skipped
+    assert float(jls.get_loss_scale(gpu_state)) == float(jls.get_loss_scale(cpu_state))
+    assert float(jls.get_loss_scale(gpu_exact_state)) == float(jls.get_loss_scale(cpu_state))
+    assert_bits_equal(gpu_state.stats[1:], cpu_state.stats[1:])
+    path = (OWG, "Dense_0", "Fp8DirectDotGeneralOp_0", "output_grad_amax_history")
+    gpu_history, cpu_history = gpu_whole, cpu_whole
+    for key in path:
+        gpu_history, cpu_history = gpu_history[key], cpu_history[key]
+    np.testing.assert_allclose(gpu_history, cpu_history, rtol=1e-6, atol=0)
 
 
 def _shard_map_step(check_vma):

@@ -252,13 +252,18 @@ def test_a_pmapped_spike_skipping_step_on_a_gpu_decides_and_counts_as_the_cpu_fo
             np.testing.assert_allclose(gpu_leaf, cpu_leaf, rtol=1e-5, atol=1e-7)
 
 
-def _bf16_kahan_run(form, steps=200):
-    """bfloat16 params under `loss_scaled(chain(adamw, kahan_summation()))`, the step jitted
-    with params and state donated, the scale given as a jnp array; a NaN batch every 50th
-    step. Returns the params and state after each step, and the params before each NaN step."""
+def _bf16_kahan_run(form, steps=200, state_dtype=None):
+    """bfloat16 params under `loss_scaled(chain(adamw, kahan_summation()))`, adamw's state
+    stored in `state_dtype` by `low_precision_state` where given, the step jitted with params
+    and state donated, the scale given as a jnp array; a NaN batch every 50th step. Returns
+    the params and state after the last step, each step's decision and scale, and whether
+    each NaN step kept the params and the inner state bit for bit."""
+    adamw = optax.adamw(1e-3)
+    if state_dtype is not None:
+        adamw = jls.low_precision_state(adamw, state_dtype, key=jax.random.key(3))
     tx = _loss_scaled.in_form(
         form,
-        optax.chain(optax.adamw(1e-3), jls.kahan_summation()),
+        optax.chain(adamw, jls.kahan_summation()),
         jls.DynamicLossScale(initial_loss_scale=jnp.float32(2.0**10), increment_period=20),
     )
 
@@ -279,13 +284,17 @@ def _bf16_kahan_run(form, steps=200):
         batch = rng.standard_normal(600).astype(np.float32)
         if index % 50 == 49:
             batch[index % 600] = np.nan
-            before = np.array(params["w"])
+            before = jax.tree.map(np.array, (params, state.inner_state))
         params, state = stepped(params, state, batch)
         decisions.append(bool(state.stats.last_step_applied))
         scales.append(float(jls.get_loss_scale(state)))
         if index % 50 == 49:
+            after = jax.tree.map(np.array, (params, state.inner_state))
             kept.append(
-                np.array_equal(np.array(params["w"]).view(np.uint16), before.view(np.uint16))
+                all(
+                    np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+                    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+                )
             )
     assert stepped._cache_size() == 1  # the state comes back with the types it went in
     return params, state, decisions, scales, kept
@@ -303,6 +312,33 @@ def test_bfloat16_weights_with_kahan_summation_on_a_gpu_over_200_donated_steps()
     assert scales == cpu[3]
     assert kept == [True] * 4
     assert params["w"].dtype == jnp.bfloat16
+    assert_bits_equal(state.loss_scale_state, cpu[1].loss_scale_state)
+    assert_bits_equal(state.stats[1:], cpu[1].stats[1:])
+    np.testing.assert_allclose(
+        np.asarray(params["w"], np.float32), np.asarray(cpu[0]["w"], np.float32), rtol=2**-7
+    )
+
+
+def test_bfloat16_weights_with_kahan_and_a_bfloat16_adamw_state_on_a_gpu_over_300_steps():
+    """Both bfloat16 remedies inside `loss_scaled` in the GPU form, whose step reads the
+    inner state's scalars (adamw's count, the stored dtypes' counts) out of one vector: 300
+    donated steps, every NaN batch skipped with the params, the bfloat16 moments, the
+    rounding key and the Kahan buffers kept bit for bit, and the CPU form's decisions,
+    scales and counts exactly."""
+    cpu = _bf16_kahan_run(Form.CPU, steps=300, state_dtype=jnp.bfloat16)
+    params, state, decisions, scales, kept = _bf16_kahan_run(
+        Form.GPU, steps=300, state_dtype=jnp.bfloat16
+    )
+    assert decisions == cpu[2]
+    skipped = [index for index, applied in enumerate(decisions) if not applied]
+    assert skipped == [49, 99, 149, 199, 249, 299]
+    assert scales == cpu[3]
+    assert scales[-1] == 2.0**10 * 2.0**-6 * 2.0**12  # six back-offs, a growth per 20 applied
+    assert kept == [True] * 6
+    low_precision, kahan = state.inner_state
+    assert {k: int(v) for k, v in low_precision.stored_in.items()} == {"bfloat16": 2}
+    assert int(low_precision.inner_state[0].count) == 300 - 6
+    assert {k: int(v) for k, v in kahan.stored_in.items()} == {"int16": 1}  # the low bits
     assert_bits_equal(state.loss_scale_state, cpu[1].loss_scale_state)
     assert_bits_equal(state.stats[1:], cpu[1].stats[1:])
     np.testing.assert_allclose(
