@@ -128,12 +128,12 @@ def table(case: str, rows: list[dict]) -> str:
                 cells.append(f"skipped: {row.get('skipped', {}).get(name, 'not run')}")
                 continue
             value = row["values"][name]
-            if "ratio_to_bare" in row:
-                cells.append(
-                    f"{format_value(value, row['unit'])} ({row['ratio_to_bare'][name]:.2f}x)"
-                )
-            else:
-                cells.append(format_value(value, row["unit"]))
+            notes = [f"{row['ratio_to_bare'][name]:.2f}x"] if "ratio_to_bare" in row else []
+            faults = round(row.get("page_faults_per_step", {}).get(name, 0))
+            if faults:  # a buffer given back to the OS and faulted in again, step after step
+                notes.append(f"{faults:,} page faults")
+            note = f" ({', '.join(notes)})" if notes else ""
+            cells.append(f"{format_value(value, row['unit'])}{note}")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

@@ -303,3 +303,25 @@ def test_the_gpu_case_set_writes_gpu_h100_json_by_default():
     assert (args.gpu_cells, args.gpu_gpt, args.gpu_sweep) == (
         "8M/64,128M/192", "6x768x256x16", "-8,4,8,12,15",
     )  # fmt: skip
+
+
+def test_the_table_shows_page_faults_beside_a_ratio_where_a_step_took_them():
+    from benchmarks import measure
+
+    row = {
+        "optimizer": "adam", "params": 8_000_000, "leaves": 64, "unit": "s",
+        "values": {"bare": 0.0076, "jax_lossscale": 0.0175},
+        "ratio_to_bare": {"bare": 1.0, "jax_lossscale": 2.3},
+        "page_faults_per_step": {"bare": 0.4, "jax_lossscale": 7815.2},
+    }  # fmt: skip
+    assert measure.table("step", [row]).splitlines()[-1] == (
+        "adam | 8M | 64 | 7.60 ms (1.00x) | 17.50 ms (2.30x, 7,815 page faults)"
+    )
+    no_faults = {key: value for key, value in row.items() if key != "page_faults_per_step"}
+    assert measure.table("step", [no_faults]).splitlines()[-1] == (
+        "adam | 8M | 64 | 7.60 ms (1.00x) | 17.50 ms (2.30x)"
+    )
+    memory = {**no_faults, "unit": "bytes", "values": {"bare": 0, "jax_lossscale": 2 * 2**20}}
+    del memory["ratio_to_bare"]
+    last_line = measure.table("memory", [memory]).splitlines()[-1]
+    assert last_line == "adam | 8M | 64 | 0.0 MiB | 2.0 MiB"
