@@ -344,3 +344,70 @@ def test_bfloat16_weights_with_kahan_and_a_bfloat16_adamw_state_on_a_gpu_over_30
     np.testing.assert_allclose(
         np.asarray(params["w"], np.float32), np.asarray(cpu[0]["w"], np.float32), rtol=2**-7
     )
+
+
+def _nnx_run(form, steps=120):
+    """A flax nnx model under `nnx.Optimizer(model, loss_scaled(adam))` in `form`, the step
+    built once with `nnx.jit(donate_argnums=(0, 1))`, its gradients from `jls.value_and_grad`
+    of a float16 loss; a NaN batch every 40th step. Returns each step's decision and scale,
+    whether each NaN step kept the params and the inner state bit for bit, the final state,
+    and the step's trace count."""
+    from flax import nnx
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    scale = jls.DynamicLossScale(initial_loss_scale=2.0**12, increment_period=25)
+    tx = _loss_scaled.in_form(form, optax.adam(1e-2), scale)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    traces = []
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model, optimizer, x, y):
+        traces.append(None)
+
+        def loss_fn(model):
+            return jnp.mean((model(x).astype(jnp.float16) - y) ** 2)
+
+        loss, grads = jls.value_and_grad(loss_fn, optimizer)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(0)
+    decisions, scales, kept = [], [], []
+    for index in range(steps):
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        if index % 40 == 39:
+            x[index % 8, 1] = np.nan
+            before = jax.tree.map(np.array, nnx.state((model, optimizer)))
+        step(model, optimizer, x, jnp.ones((8, 2), jnp.float16))
+        state = nnx.as_pure(optimizer.opt_state)
+        decisions.append(bool(state.stats.last_step_applied))
+        scales.append(float(jls.get_loss_scale(optimizer)))
+        if index % 40 == 39:
+            after = jax.tree.map(np.array, nnx.state((model, optimizer)))
+            params_and_moments = [
+                np.array_equal(a, b)
+                for a, b in zip(
+                    jax.tree.leaves((before[0], before[1]["opt_state"]["inner_state"])),
+                    jax.tree.leaves((after[0], after[1]["opt_state"]["inner_state"])),
+                    strict=True,
+                )
+            ]
+            kept.append(all(params_and_moments))
+    return decisions, scales, kept, nnx.as_pure(optimizer.opt_state), len(traces)
+
+
+def test_a_flax_nnx_optimizer_with_donation_on_a_gpu_decides_as_the_cpu_form():
+    """The GPU form, whose step reads the state's scalars out of one vector, through flax nnx:
+    one trace over 120 donated steps, each NaN batch skipped with the params and adam's
+    moments kept bit for bit, and the CPU form's decisions, scales and counts exactly."""
+    cpu = _nnx_run(Form.CPU)
+    decisions, scales, kept, state, traces = _nnx_run(Form.GPU)
+    assert traces == 1
+    assert decisions == cpu[0]
+    assert [index for index, applied in enumerate(decisions) if not applied] == [39, 79, 119]
+    assert scales == cpu[1]
+    assert (scales[24], scales[39], scales[64], scales[-1]) == (2.0**13, 2.0**12, 2.0**13, 2.0**12)
+    assert kept == [True, True, True]
+    assert int(state.inner_state[0].count) == 117
+    assert_bits_equal(state.loss_scale_state, cpu[3].loss_scale_state)
+    assert_bits_equal(state.stats[1:], cpu[3].stats[1:])
