@@ -3,7 +3,7 @@
 from typing import Any, cast
 
 import jax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 
 
 def varying_axes(value: Any) -> frozenset[Any]:
@@ -52,12 +52,58 @@ def may_be_sharded(leaf: Any) -> bool:
     if mesh.empty:
         mesh = jax.sharding.get_abstract_mesh()
     else:
-        for entry in sharding.spec:
-            split.update(entry if isinstance(entry, tuple) else [entry])
+        split = _named_axes(sharding.spec)
     for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True):
         if size > 1 and (kind == AxisType.Auto or (kind == AxisType.Explicit and name in split)):
             return True
     return False
+
+
+def explicit_sharding(like: Any) -> Any:
+    """The sharding of `like` (a value or its type) where its spec names an `Explicit` mesh
+    axis, else None. JAX types an operation's operands alike over explicit axes, so an array
+    made to stand beside such a value (a select's predicate, a skipped step's -0.0 updates)
+    is made with this sharding."""
+    if isinstance(like, jax.ShapeDtypeStruct | jax.core.AbstractValue):
+        sharding = getattr(like, "sharding", None)
+    else:
+        sharding = jax.typeof(like).sharding
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or mesh.empty:
+        return None
+    split = _named_axes(spec)
+    for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True):
+        if kind == AxisType.Explicit and name in split:
+            return sharding
+    return None
+
+
+def on_meshes_of(arrays: Any, types: Any) -> Any:
+    """`types` (of `jax.eval_shape`, traced from `arrays`) with each explicit sharding on the
+    devices of the mesh of `arrays` that it names: outside a trace an array cannot be made on
+    an abstract mesh, which is all that `jax.eval_shape` gives."""
+    meshes = {
+        leaf.sharding.mesh.abstract_mesh: leaf.sharding.mesh
+        for leaf in jax.tree.leaves(arrays)
+        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+    }
+
+    def on_devices(type_: Any) -> Any:
+        sharding = explicit_sharding(type_)
+        if sharding is None or sharding.mesh not in meshes:
+            return type_
+        return type_.update(sharding=NamedSharding(meshes[sharding.mesh], sharding.spec))
+
+    return jax.tree.map(on_devices, types)
+
+
+def _named_axes(spec: Any) -> set[Any]:
+    """The mesh axes a `PartitionSpec` names."""
+    named: set[Any] = set()
+    for entry in spec:
+        if entry is not None:
+            named.update(entry if isinstance(entry, tuple) else [entry])
+    return named
 
 
 def names_of(axis_name: Any) -> tuple[Any, ...]:

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.extend.core.primitives import cond_p
 
-from jax_lossscale._axes import varying_like
+from jax_lossscale._axes import explicit_sharding, on_meshes_of, varying_like
 from jax_lossscale._checks import path_name
 from jax_lossscale._numerics import in_unscaled_dtypes
 from jax_lossscale._platforms import Form, ReciprocalFactors, chosen
@@ -66,7 +66,9 @@ def apply_or_skip(
     inner_state = operands.inner_state
     if not isinstance(apply, jax.core.Tracer):
         new_updates, new_state = (
-            inner_update(operands) if apply else jax.eval_shape(inner_update, operands)
+            inner_update(operands)
+            if apply
+            else on_meshes_of(operands, jax.eval_shape(inner_update, operands))
         )
         return skipped_by_selects(apply, new_updates, new_state, inner_state)
     if form is Form.GPU or skips_by_select(inner_state, operands.scaled_grads):
@@ -157,13 +159,13 @@ def skipped_by_selects(
             return new_updates, _as_types(new_state, state_types)
         return _negative_zeros(updates_types), old_state
     new_state = _as_types(new_state, state_types)
-    predicates: dict[tuple[int, ...], jax.Array] = {}  # `apply` broadcast, by shape
+    predicates: dict[tuple[Any, ...], jax.Array] = {}  # `apply` broadcast, by shape and sharding
 
     def select(new: jax.Array, old: jax.Array) -> jax.Array:
-        shape = jnp.shape(new)
-        if shape not in predicates:
-            predicates[shape] = jax.lax.broadcast(apply, shape)
-        return jax.lax.select(varying_like(predicates[shape], new), new, old)
+        shape, sharding = jnp.shape(new), explicit_sharding(new)
+        if (shape, sharding) not in predicates:
+            predicates[shape, sharding] = jax.lax.broadcast(apply, shape, out_sharding=sharding)
+        return jax.lax.select(varying_like(predicates[shape, sharding], new), new, old)
 
     updates = jax.tree.map(select, new_updates, _negative_zeros(updates_types))
     return updates, jax.tree.map(select, new_state, old_state)
@@ -275,7 +277,8 @@ def initial_inner_state(
 
 
 def _type_of(value: Any) -> jax.ShapeDtypeStruct:
-    """The shape, dtype, weak type and varying manual axes of `value` (a tracer or its type).
+    """The shape, dtype, weak type, varying manual axes and explicit sharding of `value` (a
+    tracer or its type).
 
     (`jax.ShapeDtypeStruct.like` first asks a tracer for its sharding, which takes far
     longer than tracing.)
@@ -285,7 +288,10 @@ def _type_of(value: Any) -> jax.ShapeDtypeStruct:
     aval: Any = value if isinstance(value, jax.core.AbstractValue) else jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     if manual is None or manual.empty:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        sharding = explicit_sharding(aval)
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
+        )
     return jax.ShapeDtypeStruct(  # inside shard_map: the axes over which it varies
         aval.shape,
         aval.dtype,
@@ -308,13 +314,14 @@ def _as_type(value: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def _negative_zeros(types: PyTree) -> PyTree:
-    """Arrays of -0.0 of `types` (the updates' shapes, dtypes and varying manual axes), one
-    made per shape and dtype: -0.0 is the additive identity of every float, +0.0 and -0.0
-    included."""
-    made: dict[tuple[tuple[int, ...], Any], jax.Array] = {}
+    """Arrays of -0.0 of `types` (the updates' shapes, dtypes, varying manual axes and
+    explicit shardings), one made per shape, dtype and explicit sharding: -0.0 is the
+    additive identity of every float, +0.0 and -0.0 included."""
+    made: dict[tuple[Any, ...], jax.Array] = {}
 
     def negative_zeros(type_: jax.ShapeDtypeStruct) -> jax.Array:
-        key = (type_.shape, type_.dtype)
+        sharding = explicit_sharding(type_)
+        key = (type_.shape, type_.dtype, sharding)
         if key not in made:
             if jnp.issubdtype(type_.dtype, jnp.complexfloating):
                 fill: Any = complex(-0.0, -0.0)
@@ -322,7 +329,7 @@ def _negative_zeros(types: PyTree) -> PyTree:
                 fill = -0.0
             else:
                 fill = 0
-            made[key] = jax.lax.full(type_.shape, fill, type_.dtype)
+            made[key] = jax.lax.full(type_.shape, fill, type_.dtype, sharding=sharding)
         return varying_like(made[key], type_)
 
     return jax.tree.map(negative_zeros, types)

@@ -1,5 +1,6 @@
 """`loss_scaled` under distribution (docs/distributed.md): pmap, shard_map, SPMD jit, processes."""
 
+import contextlib
 import functools
 import json
 import os
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jax_lossscale as jls
+from jax_lossscale import _loss_scaled
+from jax_lossscale._platforms import Form
 
 import multiprocess_worker as worker  # tests/multiprocess_worker.py
 
@@ -411,6 +414,86 @@ def test_spmd_jit_keeps_shardings_and_matches_unsharded_run():
         if overflow is not None:
             chex.assert_trees_all_equal(params, old_params)
             chex.assert_trees_all_equal(opt_state.inner_state, old_state.inner_state)
+
+
+EXPLICIT_INNERS = {
+    "adam: a cond on a CPU": (lambda: optax.adam(0.125), Form.CPU),
+    "adam: selects on a GPU": (lambda: optax.adam(0.125), Form.GPU),
+    "sgd with momentum: selects": (lambda: optax.sgd(0.125, momentum=0.5), Form.LOWERED),
+}
+
+
+@pytest.mark.parametrize("inner", EXPLICIT_INNERS)
+@pytest.mark.parametrize("entered", [False, True], ids=["placed", "under set_mesh"])
+def test_spmd_jit_over_explicit_mesh_axes_keeps_shardings_and_matches_one_device(inner, entered):
+    """`jax.make_mesh` makes `Explicit` axes, over which JAX types each operation with its
+    operands' shardings: the skip's arrays of a leaf's shape (its selects' predicates, its
+    -0.0 updates) are made with the leaf's sharding, where bare optax's step runs too. A
+    donated step, traced once, matches one device bit for bit, skips keep params and state,
+    and every leaf keeps its sharding."""
+    make_inner, form = EXPLICIT_INNERS[inner]
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    shardings = {
+        "b": NamedSharding(mesh, PartitionSpec("model")),
+        "w": NamedSharding(mesh, PartitionSpec("data", "model")),
+    }
+    tx = _loss_scaled.in_form(form, make_inner(), LOSS_SCALE)
+    traces = []
+
+    def step(params, opt_state, grads):
+        traces.append(1)
+        return _train_step(tx, params, opt_state, grads)
+
+    sharded_step = jax.jit(step, donate_argnums=(0, 1))
+    one_device_step = jax.jit(lambda p, s, g: _train_step(tx, p, s, g))
+    params = {"b": np.array([0.5, -1.0, 2.0, 0.25], np.float32), "w": _params(8)["w"][:, :2]}
+    with jax.sharding.set_mesh(mesh) if entered else contextlib.nullcontext():
+        ref_params, ref_state = params, tx.init(params)
+        params = jax.device_put(params, shardings)
+        opt_state = tx.init(params)  # (jitted, bare optax's init too needs the mesh entered)
+        for i, overflow in enumerate(STEPS):
+            rng = np.random.default_rng(i)
+            grads = {name: rng.integers(-4, 5, leaf.shape).astype(np.float32)
+                     for name, leaf in ref_params.items()}  # fmt: skip
+            if overflow is not None:
+                grads["w"][overflow[0], 1] = overflow[1]
+            old_params = jax.device_get(params)
+            params, opt_state, updates = sharded_step(
+                params, opt_state, jax.device_put(grads, shardings)
+            )
+            ref_params, ref_state, ref_updates = one_device_step(ref_params, ref_state, grads)
+            for tree in (params, updates):
+                _assert_sharded_like(tree, shardings)
+            chex.assert_trees_all_equal(
+                jax.device_get((params, opt_state, updates)), (ref_params, ref_state, ref_updates)
+            )
+            assert float(jls.get_loss_scale(opt_state)) == EXPECTED_SCALES[i]
+            if overflow is not None:
+                chex.assert_trees_all_equal(jax.device_get(params), old_params)
+                for leaf in jax.tree.leaves(updates):
+                    np.testing.assert_array_equal(np.signbit(leaf), True)
+    assert len(traces) <= 2  # the step's scalars come back on the mesh once
+    for leaf in jax.tree.leaves(opt_state.inner_state):
+        if leaf.ndim:
+            assert leaf.sharding.spec in (shardings["b"].spec, shardings["w"].spec)
+
+
+def test_an_eager_skip_over_explicit_mesh_axes_gives_sharded_negative_zeros():
+    """Eagerly (as under `jax.disable_jit`), the skipped step's -0.0 updates are made on the
+    devices and with the sharding of the updates the inner update would give."""
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Explicit,))
+    sharding = NamedSharding(mesh, PartitionSpec("model"))
+    params = {"b": jax.device_put(np.arange(16, dtype=np.float32), sharding)}
+    tx = _tx()
+    opt_state = tx.init(params)
+    grads = {"b": jax.device_put(np.full(16, np.nan, np.float32), sharding)}
+    updates, new_state = tx.update(grads, opt_state, params)
+    assert updates["b"].sharding.is_equivalent_to(sharding, 1)
+    np.testing.assert_array_equal(np.signbit(jax.device_get(updates["b"])), True)
+    chex.assert_trees_all_equal(
+        jax.device_get(new_state.inner_state), jax.device_get(opt_state.inner_state)
+    )
+    assert float(jls.get_loss_scale(new_state)) == 512.0
 
 
 def test_spmd_jit_does_not_gather_sharded_gradients():
