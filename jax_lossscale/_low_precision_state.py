@@ -5,6 +5,7 @@ float32 for the inner update, and rounded back: stochastically (unbiased, so tha
 below half a gap, such as adam's `(1 - b2) * g**2`, are kept in expectation) or to nearest.
 """
 
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,7 +17,6 @@ import optax
 from jax_lossscale._checks import describe, path_name
 from jax_lossscale._rounding import (
     checked_key,
-    dtype_counts,
     on_this_shard,
     round_stochastically,
     round_to_nearest,
@@ -35,6 +35,10 @@ class LowPrecisionState(NamedTuple):
     The dtypes' names are part of the state's structure, so that orbax refuses to restore a
     checkpoint into a state of other dtypes (a "Structure mismatch" naming `stored_in`)
     rather than cast it; the bfloat16-weights page shows how to change a run's state dtype.
+    Where one dtype does not hold every floating leaf (a function chose two, or kept some
+    leaves as inner made them), each name is followed by a fingerprint of its leaves'
+    positions (`"float16_at_5d7a1c0e"`): a checkpoint whose leaves had other dtypes, two
+    of them swapped, is refused too.
     """
 
     stored_in: dict[str, jax.Array]  # int32 scalars: leaves stored in each dtype
@@ -117,18 +121,18 @@ def low_precision_state(
     key_data, impl = checked_key(jax.random.key(0) if key is None else key, _OWNER)
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
-        stored = []
+        chosen: list[Any] = []  # for each floating leaf, its dtype, None where kept
 
         def store(path: Any, leaf: Any) -> Any:
-            dtype = dtype_of(path, leaf) if _is_floating(leaf) else None
-            if dtype is None:
+            if not _is_floating(leaf):
                 return leaf
-            stored.append(_nearest(leaf.astype(jnp.float32), dtype))
-            return stored[-1]
+            dtype = dtype_of(path, leaf)
+            chosen.append(dtype)
+            return leaf if dtype is None else _nearest(leaf.astype(jnp.float32), dtype)
 
         inner_state = jax.tree_util.tree_map_with_path(store, inner.init(params))
         # A copy: a donated state must not take the key this transformation starts from.
-        return LowPrecisionState(dtype_counts(stored), jnp.array(key_data, copy=True), inner_state)
+        return LowPrecisionState(_stored_in(chosen), jnp.array(key_data, copy=True), inner_state)
 
     def update_fn(
         updates: optax.Updates,
@@ -162,6 +166,29 @@ def low_precision_state(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _stored_in(chosen: list[Any]) -> dict[str, jax.Array]:
+    """`LowPrecisionState.stored_in`, from the dtype chosen for each floating leaf (None
+    where kept): how many leaves each dtype holds, by name (`{"bfloat16": 2}`); where one
+    dtype does not hold them all, each name followed by a fingerprint of its leaves'
+    positions (`"float16_at_5d7a1c0e"`), so that a checkpoint whose leaves were stored in
+    other dtypes is refused too, two leaves' dtypes swapped or a kept leaf stored."""
+    positions: dict[str, list[int]] = {}
+    for index, dtype in enumerate(chosen):
+        if dtype is not None:
+            positions.setdefault(jnp.dtype(dtype).name, []).append(index)
+    alone = len(positions) == 1 and None not in chosen
+
+    def key(name: str, leaves: list[int]) -> str:
+        return (
+            name if alone else f"{name}_at_{hashlib.sha256(repr(leaves).encode()).hexdigest()[:8]}"
+        )
+
+    return {
+        key(name, leaves): jnp.array(len(leaves), jnp.int32)
+        for name, leaves in sorted(positions.items())
+    }
 
 
 def _update_types(

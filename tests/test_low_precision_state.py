@@ -6,6 +6,8 @@ nearest rounding stops it; stochastic rounding keeps them in expectation.
 """
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -189,21 +191,38 @@ def test_an_orbax_checkpoint_restores_and_continues_bit_for_bit(tmp_path):
     assert_bits_equal(step(params, restored, grads), step(params, state, grads))
 
 
+def _moments_in(mu: Any, nu: Any) -> Callable[[Any, Any], Any]:
+    """A dtype rule: `mu`'s leaves in `mu`, `nu`'s in `nu` (None: kept in float32)."""
+    return lambda path, leaf: mu if ".mu" in jax.tree_util.keystr(path) else nu
+
+
 @pytest.mark.parametrize(
     ("saved", "target"),
-    [(BF16, F32), (F32, BF16), (BF16, "nu_in_float32")],
-    ids=["bfloat16_into_float32", "float32_into_bfloat16", "bfloat16_into_mixed"],
+    [
+        (BF16, F32),
+        (F32, BF16),
+        (BF16, _moments_in(BF16, F32)),
+        (_moments_in(F16, BF16), _moments_in(BF16, F16)),
+        (_moments_in(BF16, None), BF16),
+    ],
+    ids=[
+        "bfloat16_into_float32",
+        "float32_into_bfloat16",
+        "bfloat16_into_mixed",
+        "two_dtypes_swapped",
+        "a_kept_leaf_into_bfloat16",
+    ],
 )
 def test_a_state_restored_into_another_state_dtype_is_refused_then_migrated(
     tmp_path, saved, target
 ):
     """DESIGN 3.13: refused, never cast (orbax cast it: float32 into bfloat16 rounded every
-    entry). Restored into its own dtypes and moved leaf by leaf, it continues as the target."""
+    entry; with mu and nu swapped between float16 and bfloat16, as many leaves in each dtype,
+    nu's 1e5 became inf in float16 and the weights stopped). Restored into its own dtypes and
+    moved leaf by leaf, it continues as the target."""
     params = jnp.zeros(16)
 
     def made(dtype):
-        if dtype == "nu_in_float32":
-            dtype = lambda path, leaf: F32 if "nu" in jax.tree_util.keystr(path) else BF16  # noqa: E731
         return jls.low_precision_state(optax.adam(1e-3), dtype, key=jax.random.key(4))
 
     saved_tx, target_tx = made(saved), made(target)
