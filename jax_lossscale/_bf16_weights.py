@@ -260,7 +260,7 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                     f"param {path_name(path)} drops (its range or precision is too small); "
                     "give the weight's dtype, jnp.float32, or None for the default"
                 )
-            return jnp.zeros(jnp.shape(param), kind)
+            return jnp.zeros_like(param, kind)  # where the weight is (its sharding)
 
         bits = jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, True), params)
         floats = jax.tree_util.tree_map_with_path(lambda path, p: buffer(path, p, False), params)

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, scale_of
@@ -22,7 +24,7 @@ from jax_lossscale._states import (
     initial_stats,
     next_stats,
 )
-from jax_lossscale._types import AxisName
+from jax_lossscale._types import AxisName, PyTree
 
 
 def loss_scaled(
@@ -141,7 +143,9 @@ def in_form(
                 "would be unscaled twice. Use one loss_scaled around the whole optimizer"
             )
         loss_scale_state = loss_scale.init()
-        return LossScaledState(inner_state, loss_scale_state, initial_stats(), spike_rule.init())
+        return LossScaledState(
+            _own_arrays(inner_state, params), loss_scale_state, initial_stats(), spike_rule.init()
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -182,6 +186,25 @@ def in_form(
 
     # optax types the state as an ArrayTree, which has no place for None (spike_windows).
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _own_arrays(tree: PyTree, params: PyTree) -> PyTree:
+    """`tree` with a copy of each array that `params` hold too or that `tree` held before (an
+    inner `init` that keeps the params themselves, as `optax.contrib.prodigy`'s does), so
+    that a step can donate the params and the state from its first call."""
+    seen: set[int] = set()  # the buffers met, by address
+
+    def once(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            return leaf
+        buffers = {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
+        if buffers & seen:
+            return jnp.copy(leaf)
+        seen.update(buffers)
+        return leaf
+
+    jax.tree.map(once, params)
+    return jax.tree.map(once, tree)
 
 
 def _checked_inner(

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
@@ -977,3 +977,20 @@ def test_kahan_adds_one_copy_and_three_passes_to_the_cpu_step_whatever_the_gradi
         [jls.stochastic_rounding(jax.random.key(0))], grad_dtype
     )
     assert (rounded_fusions, rounded_copies) == (fusions, copies)
+
+
+def test_kahan_buffers_are_placed_as_their_weights():
+    """Each buffer takes its weight's sharding, as optax's moments do (`zeros_like`): over
+    an explicit mesh axis a weight split 8 ways had its buffer whole on every device."""
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Explicit,))
+    sharding = NamedSharding(mesh, P("model"))
+    params = {
+        "bf16": jax.device_put(jnp.ones(16, BF16), sharding),
+        "f16": jax.device_put(jnp.ones(16, F16), sharding),
+    }
+    for tx in (jls.kahan_summation(), jls.kahan_summation(jnp.float32)):
+        state = tx.init(params)
+        buffers = jax.tree.leaves((state.low_bits, state.compensation))
+        assert len(buffers) == 2
+        for buffer in buffers:
+            assert buffer.sharding.is_equivalent_to(sharding, 1), buffer.sharding

@@ -128,6 +128,32 @@ def test_no_buffer_appears_twice_in_a_state_from_init_or_an_eager_update(loss_sc
         assert len(pointers) == len(set(pointers))
 
 
+def test_an_inner_init_that_keeps_the_params_is_donated_from_the_first_step():
+    """Bare optax's state of `optax.contrib.prodigy` holds the params' own arrays, and a step
+    that donates params and state fails ("donate the same buffer twice"); the wrapper's holds
+    copies, and its donated steps match undonated ones."""
+    params = initial_params()
+    bare_pointers = buffer_pointers((params, optax.contrib.prodigy(1.0).init(params)))
+    assert len(bare_pointers) > len(set(bare_pointers))
+    tx = jls.loss_scaled(optax.contrib.prodigy(1.0), LOSS_SCALES["dynamic"])
+    opt_state = tx.init(params)
+    pointers = buffer_pointers((params, opt_state))
+    assert len(pointers) == len(set(pointers))
+    grads = {"w": jnp.full((4, 1), 2048.0), "b": jnp.full(1, 1024.0)}
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    donated, plain = jax.jit(step, donate_argnums=(0, 1)), jax.jit(step)
+    ref_params, ref_state = initial_params(), tx.init(initial_params())
+    for _ in range(3):
+        params, opt_state = donated(params, opt_state, grads)
+        ref_params, ref_state = plain(ref_params, ref_state, grads)
+    assert_bits_equal((params, opt_state), (ref_params, ref_state))
+    assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 0
+
+
 @pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES.keys())
 @pytest.mark.parametrize("make_inner", INNERS.values(), ids=INNERS.keys())
 def test_donated_train_step_from_eager_init_matches_the_undonated_one(loss_scale, make_inner):
