@@ -33,11 +33,10 @@ def value_and_grad(
 
     fp8 meta leaves (`loss_scaled`'s `fp8_meta`), whose "gradients" are their new values,
     come back as flax computes them, never multiplied by the rest. The output gradients'
-    amax histories and scales hold amaxes of the gradients of the loss times the scale;
-    where that rest holds a power of two `lift` (a float16 loss at a scale of 2**16 or
-    more), the layers run with them divided by `lift`, the part of the scale their backward
-    pass carries, and they come back multiplied by it, so that `loss_scaled` can follow the
-    scale's every change.
+    amax histories and scales hold amaxes of the gradients of the loss times the scale:
+    the layers run with them divided by the rest (2 for a float16 loss at 2**16, whose
+    backward pass carries 2**15; 1.5 at 1536, which carries 1024), and they come back
+    multiplied by it, so that `loss_scaled` can follow the scale's every change.
 
     The scale is read from `opt_state` as `get_loss_scale` reads it (an optax state or
     a flax nnx `Optimizer`), or `opt_state` is the scale itself, a float32 scalar
@@ -178,8 +177,8 @@ def _with_meta_divided_by_lift(
     kwargs: dict[str, Any],
 ) -> tuple[tuple[Any, ...], jax.Array | None]:
     """`args` with the differentiated arguments' output-gradient meta leaves divided by the
-    power of two `lift` in the rest of the scale, and `lift`; or `args` as they are and None
-    where there is nothing to divide (or argnums is wrong: jax's own error follows)."""
+    rest of the scale, `lift`, and `lift`; or `args` as they are and None where there is
+    nothing to divide (or argnums is wrong: jax's own error follows)."""
     numbers = [argnums] if isinstance(argnums, int) else argnums
     if not isinstance(numbers, Sequence) or not all(
         isinstance(number, int) and -len(args) <= number < len(args) for number in numbers
@@ -210,9 +209,9 @@ def _lift(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> jax.Array | None:
-    """The power of two in the rest of the scale, where the differentiated arguments hold
-    output-gradient meta leaves and the loss (found by tracing `fun`, not running it) is
-    narrower than float32; else None."""
+    """The rest of the scale, the part the loss dtype does not carry, where the
+    differentiated arguments hold output-gradient meta leaves and the loss (found by tracing
+    `fun`, not running it) is narrower than float32; else None."""
     _, follows = meta_leaves.following(tree, "gradients", "value_and_grad")
     if not any(follows):
         return None
@@ -222,8 +221,7 @@ def _lift(
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or is_at_least_float32(dtype):
         return None
     _, rest = _split(scale, dtype)
-    _, exponent = jnp.frexp(rest)
-    return jnp.ldexp(jnp.float32(1.0), exponent - 1)
+    return rest
 
 
 @jax.custom_vjp

@@ -518,15 +518,17 @@ def test_value_and_grad_gives_the_meta_values_as_flax_computes_them(loss_dtype, 
     # The forward side, whatever the scale and the loss dtype: flax's own gradient, bit for bit.
     flax_meta = _meta_leaves(FLAX_GRAD(variables, X, Y))
     # The output gradients' side: flax's value for the part of the scale the backward pass
-    # carries (a float16 loss carries at most 2**15: at 2**16 and 2**17 the layers run with
-    # those leaves halved, quartered, and they come back doubled, quadrupled).
+    # carries, with those leaves divided by the rest and multiplied back (a float16 loss
+    # carries at most 2**15: at 2**16 and 2**17 the layers run with them halved, quartered;
+    # at 1000 a half loss carries 512, and they run divided by 1.953125, which makes them hold
+    # amaxes at the scale, as loss_scaled's rescaling at a change of the scale takes them).
     is_half = loss_dtype != jnp.float32
     carried = min(scale, 2.0**15) if loss_dtype == jnp.float16 else scale
     carried = 2.0 ** np.floor(np.log2(carried)) if is_half else carried
-    lift = 2.0 ** np.floor(np.log2(scale / carried)) if is_half else 1.0
-    lowered = jax.tree_util.tree_map_with_path(  # on the host: powers of two, exact
+    lift = np.float32(scale / carried) if is_half else np.float32(1.0)
+    lowered = jax.tree_util.tree_map_with_path(  # on the host, in float32 as the library does
         lambda path, leaf: (
-            np.asarray(leaf) / np.float32(lift) if path[-1].key.startswith("output_grad") else leaf
+            np.asarray(leaf) / lift if path[-1].key.startswith("output_grad") else leaf
         ),
         variables,
     )
@@ -740,6 +742,42 @@ def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
     np.testing.assert_allclose(history, expected, rtol=1e-6, atol=0)
     late_whole, late_exact = loss_whole[-50:].mean(), loss_exact[-50:].mean()
     assert abs(late_whole - late_exact) <= 0.1 * late_exact, (late_whole, late_exact)
+
+
+@pytest.mark.parametrize("loss_dtype", [jnp.float16, jnp.bfloat16])
+def test_with_a_half_loss_and_scales_no_power_of_two_the_history_holds_amaxes_at_the_scale(
+    loss_dtype,
+):
+    """A half loss's backward pass carries a power of two; the rest of a scale of 1000 *
+    1.5**k is not one. With the learning rate 0 and one batch the true amax is the same at
+    every step, so the newest entry, measured at the scale, equals the one before it as
+    loss_scaled rescaled it at the growth. Before: the layers measured at the part carried,
+    and the two differed by 1.5 or 0.75 (e5m2 then clipped the largest gradients by 4/3)."""
+    tx = jls.loss_scaled(
+        optax.sgd(0.0), jls.DynamicLossScale(1000.0, increment_period=1, multiplier=1.5)
+    )
+    x = jax.random.normal(jax.random.key(7), (16, 4))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5], [1.5]])
+
+    def loss(variables):
+        return jnp.mean((TinyMLP().apply(variables, x) - y) ** 2).astype(loss_dtype)
+
+    @jax.jit
+    def step(variables, opt_state):
+        _, grads = jls.value_and_grad(loss, opt_state)(variables)
+        updates, opt_state = tx.update(grads, opt_state, variables)
+        return optax.apply_updates(variables, updates), opt_state
+
+    variables, opt_state = _tiny_variables(), tx.init(_tiny_variables())
+    scales, ratios = [], []
+    for _ in range(6):
+        scales.append(float(jls.get_loss_scale(opt_state)))
+        variables, opt_state = step(variables, opt_state)
+        for layer in ("Dense_0", "Dense_1"):
+            history = variables[OWG][layer]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"]
+            ratios.append(float(history[-1] / history[0]))  # the one before, over the newest
+    assert scales == [1000.0 * 1.5**k for k in range(6)]
+    np.testing.assert_allclose(ratios[4:], 1.0, rtol=1e-5)  # from the third step on
 
 
 def test_the_gpu_form_decides_and_keeps_fp8_meta_as_the_cpu_form_with_a_float16_loss():
