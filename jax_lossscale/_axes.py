@@ -33,15 +33,16 @@ def _varying_of(like: Any) -> frozenset[Any]:
 
 
 def may_be_sharded(leaf: Any) -> bool:
-    """Whether XLA may split `leaf` over more than one device, as its type says.
+    """Whether XLA may split `leaf` over more than one device, as its type says, or its type
+    says it is split.
 
     The type of an array (`jax.typeof(leaf).sharding`) names the mesh it is placed on, or
     none for an array on one device and for a NumPy array; then the mesh entered with
-    `jax.sharding.set_mesh`, if any, is read instead. Over a mesh axis of more than one
-    device, an `Explicit` axis splits the leaf where its spec names the axis, an `Auto`
-    axis (of a `Mesh` built directly) lets XLA's partitioner split it as it chooses, and a
-    `Manual` axis (inside `pmap` or `shard_map`) holds each device's own values, which
-    are not split. Nothing here reads how many devices the process has: a leaf on one
+    `jax.sharding.set_mesh`, if any, is read instead. An `Explicit` axis splits the leaf
+    where its spec names the axis (in its type even over one device, where JAX refuses to
+    reshape it without an output sharding), an `Auto` axis (of a `Mesh` built directly) of
+    more than one device lets XLA's partitioner split it as it chooses, and a `Manual` axis
+    (inside `pmap` or `shard_map`) holds each device's own values, which are not split. Nothing here reads how many devices the process has: a leaf on one
     device of eight is not sharded. Under `jit` given `in_shardings` alone, the type of an
     argument names no mesh; the leaf is then taken as unsharded, which stays correct if XLA
     splits it after all (the partitioner then gathers the small per-device results).
@@ -54,7 +55,7 @@ def may_be_sharded(leaf: Any) -> bool:
     else:
         split = _named_axes(sharding.spec)
     for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True):
-        if size > 1 and (kind == AxisType.Auto or (kind == AxisType.Explicit and name in split)):
+        if (kind == AxisType.Auto and size > 1) or (kind == AxisType.Explicit and name in split):
             return True
     return False
 

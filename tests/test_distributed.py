@@ -478,6 +478,24 @@ def test_spmd_jit_over_explicit_mesh_axes_keeps_shardings_and_matches_one_device
             assert leaf.sharding.spec in (shardings["b"].spec, shardings["w"].spec)
 
 
+def test_a_leaf_split_over_an_explicit_axis_of_one_device_is_checked_unreshaped():
+    """`jax.make_mesh((8, 1), ...)`: a leaf whose spec names the axis of one device is split
+    in its type, and JAX refuses to reshape it (the check's rows) without an output
+    sharding; it is summed as a sharded leaf is, and the step is bare adam's."""
+    mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    sharding = NamedSharding(mesh, PartitionSpec(None, "model"))
+    params = {"w": jax.device_put(_params(8)["w"].T, sharding)}  # 3 x 8
+    grads = {"w": jax.device_put(np.full((3, 8), 0.5, np.float32), sharding)}
+    tx = _tx()
+    with jax.sharding.set_mesh(mesh):
+        scaled = jax.tree.map(lambda g: g * 1024.0, grads)
+        updates, state = jax.jit(tx.update)(scaled, tx.init(params), params)
+        bare, _ = jax.jit(optax.adam(0.125).update)(grads, optax.adam(0.125).init(params), params)
+    assert updates["w"].sharding.is_equivalent_to(sharding, 2)
+    chex.assert_trees_all_equal(jax.device_get(updates), jax.device_get(bare))
+    np.testing.assert_allclose(float(state.stats.grad_norm), np.sqrt(24 * 0.25), rtol=1e-6)
+
+
 def test_an_eager_skip_over_explicit_mesh_axes_gives_sharded_negative_zeros():
     """Eagerly (as under `jax.disable_jit`), the skipped step's -0.0 updates are made on the
     devices and with the sharding of the updates the inner update would give."""

@@ -527,6 +527,16 @@ PLACED_LEAVES = {
         lambda: jax.device_put(device_array(np.ones(16)), NamedSharding(_explicit_mesh(), P())),
         False,
     ),
+    "explicit mesh, split over an axis of one device": (
+        lambda: jax.device_put(
+            device_array(np.ones((2, 8))),
+            NamedSharding(
+                jax.make_mesh((8, 1), ("e", "one"), axis_types=(AxisType.Explicit,) * 2),
+                P(None, "one"),
+            ),
+        ),
+        True,  # its type is split: JAX refuses to reshape it without an output sharding
+    ),
     "auto mesh of one device": (
         lambda: jax.device_put(
             device_array(np.ones(16)),
