@@ -42,10 +42,11 @@ def may_be_sharded(leaf: Any) -> bool:
     where its spec names the axis (in its type even over one device, where JAX refuses to
     reshape it without an output sharding), an `Auto` axis (of a `Mesh` built directly) of
     more than one device lets XLA's partitioner split it as it chooses, and a `Manual` axis
-    (inside `pmap` or `shard_map`) holds each device's own values, which are not split. Nothing here reads how many devices the process has: a leaf on one
-    device of eight is not sharded. Under `jit` given `in_shardings` alone, the type of an
-    argument names no mesh; the leaf is then taken as unsharded, which stays correct if XLA
-    splits it after all (the partitioner then gathers the small per-device results).
+    (inside `pmap` or `shard_map`) holds each device's own values, which are not split.
+    Nothing here reads how many devices the process has: a leaf on one device of eight is
+    not sharded. Under `jit` given `in_shardings` alone, the type of an argument names no
+    mesh; the leaf is then taken as unsharded, which stays correct if XLA splits it after
+    all (the partitioner then gathers the small per-device results).
     """
     sharding = jax.typeof(leaf).sharding
     mesh = sharding.mesh

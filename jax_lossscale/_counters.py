@@ -19,9 +19,9 @@ def count_true(flags: jax.Array, chunk: int = INT32_MAX) -> jax.Array:
     one is counted chunk by chunk, the running total kept in uint32 (which holds 2**31 - 1
     plus one chunk's count) and stopped at 2**31 - 1 after each chunk.
     """
-    flags = flags.reshape(-1)
-    if flags.size <= chunk:
+    if flags.size <= chunk:  # (unreshaped: a leaf split over an explicit mesh axis)
         return flags.sum(dtype=jnp.int32)
+    flags = flags.reshape(-1)
     total = jnp.zeros([], jnp.uint32)
     for start in range(0, flags.size, chunk):
         part = flags[start : start + chunk].sum(dtype=jnp.uint32)

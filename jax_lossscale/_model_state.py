@@ -4,7 +4,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_lossscale._axes import explicit_sharding
 from jax_lossscale._checks import check_array_leaves, describe_array, path_name
 from jax_lossscale._lookup import get_loss_scale_stats
 from jax_lossscale._types import PyTree
@@ -67,10 +69,22 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
                 f"in new but {describe_array(old_leaf)} in old; the two must match"
             )
     kept = [
-        jnp.where(applied, new_leaf, old_leaf)
+        jnp.where(applied, new_leaf, _placed_like(old_leaf, new_leaf))
         for (_, new_leaf), old_leaf in zip(new_leaves, old_leaves, strict=True)
     ]
     return jax.tree.unflatten(structure, kept)
+
+
+def _placed_like(old: Any, new: Any) -> Any:
+    """`old` split as `new` is where either is split over an explicit mesh axis and they
+    differ (batch statistics made at init replicated, computed from activations split over
+    the axis): over explicit axes JAX selects between arrays of one sharding only."""
+    target, source = explicit_sharding(new), explicit_sharding(old)
+    if target == source:
+        return old
+    if target is None:  # replicated over the mesh `old` is split over
+        target = NamedSharding(source.mesh, PartitionSpec())
+    return jax.sharding.reshard(old, target)
 
 
 def _key_data(tree: PyTree) -> PyTree:

@@ -496,6 +496,37 @@ def test_a_leaf_split_over_an_explicit_axis_of_one_device_is_checked_unreshaped(
     np.testing.assert_allclose(float(state.stats.grad_norm), np.sqrt(24 * 0.25), rtol=1e-6)
 
 
+def test_count_non_finite_and_where_applied_over_explicit_mesh_axes():
+    """`count_non_finite` of a leaf split over an explicit axis (which JAX refuses to
+    flatten without an output sharding), and `where_applied` between batch statistics
+    made replicated at init and new ones split over the axis, as plain JAX computes them."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    split = NamedSharding(mesh, PartitionSpec(None, "model"))
+    grads = np.ones((4, 8), np.float32)
+    grads[1, 2:5] = [np.inf, np.nan, -np.inf]
+    counts = jls.count_non_finite({"w": jax.device_put(grads, split)})
+    assert jls.non_finite_paths(counts) == {"w": 3}
+    tx = jls.loss_scaled(optax.sgd(0.1), LOSS_SCALE)
+    params = {"w": jax.device_put(np.ones((8, 16), np.float32), split)}
+    stats = {"mean": jax.device_put(np.zeros(16, np.float32), NamedSharding(mesh, PartitionSpec()))}
+    x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, PartitionSpec("data")))
+
+    @jax.jit
+    def step(params, stats, opt_state, x):
+        new_stats = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(x @ params["w"], axis=0)}
+        scale = jls.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jnp.sum(x @ p["w"]) * scale)(params)
+        _, opt_state = tx.update(grads, opt_state, params)
+        return jls.where_applied(opt_state, new_stats, stats)
+
+    with jax.sharding.set_mesh(mesh):
+        kept = step(params, stats, tx.init(params), x)
+        skipped = step(params, stats, tx.init(params), x * np.inf)
+    assert kept["mean"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("model")), 1)
+    np.testing.assert_array_equal(jax.device_get(kept["mean"]), np.full(16, 0.8, np.float32))
+    np.testing.assert_array_equal(jax.device_get(skipped["mean"]), np.zeros(16, np.float32))
+
+
 def test_an_eager_skip_over_explicit_mesh_axes_gives_sharded_negative_zeros():
     """Eagerly (as under `jax.disable_jit`), the skipped step's -0.0 updates are made on the
     devices and with the sharding of the updates the inner update would give."""
