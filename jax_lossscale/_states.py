@@ -182,19 +182,33 @@ def _stats_template() -> StepStats:
 
 @contextlib.contextmanager
 def explaining_failures(
-    inner: optax.GradientTransformation, inner_state: PyTree, init_arguments: list[PyTree]
+    inner: optax.GradientTransformation,
+    inner_state: PyTree,
+    init_arguments: list[PyTree],
+    widened: bool = False,
 ) -> Iterator[None]:
     """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s;
-    one raised by this library (a remedy's, which names its cause) goes through as it is."""
+    one raised by this library (a remedy's, which names its cause) goes through as it is.
+    `widened`: whether float16 gradients reached `inner.update` in float32, which a failure
+    is then noted to have perhaps come from."""
     try:
         yield
     except Exception as error:
         if _raised_by_this_library(error):
             raise
         mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
-        if mismatch is None:
-            raise
-        raise TypeError(mismatch) from error
+        if mismatch is not None:
+            raise TypeError(mismatch) from error
+        if widened:
+            error.add_note(
+                "loss_scaled gave inner.update the unscaled gradients of float16 leaves in "
+                "float32 (float16 holds a scaled gradient, not always the unscaled one), where "
+                "inner.init saw the float16 params: a function of the updates' dtypes "
+                "(optax.multi_transform's param_labels, optax.masked's mask) then chooses "
+                "otherwise than at init. Choose by the leaves' paths, or give the labels as a "
+                "tree"
+            )
+        raise
 
 
 def _raised_by_this_library(error: Exception) -> bool:

@@ -1286,3 +1286,32 @@ def test_an_inner_state_holding_a_typed_prng_key_is_kept_on_a_skip(dtype):
     assert jax.random.key_data(skipped.inner_state[0].rng_key).tolist() == expected_key
     assert int(skipped.inner_state[0].count) == 1
     assert float(jls.get_loss_scale(skipped)) == 2.0
+
+
+def test_a_failure_of_labels_chosen_by_dtype_on_float16_params_says_why():
+    """optax calls a `param_labels` function on the updates: the unscaled gradients of float16
+    params come in float32, so labels chosen by dtype differ from init's, and optax fails
+    deep inside (bare optax, given float16 gradients, runs). The error notes the cause."""
+    params = {"w16": jnp.ones(3, jnp.float16), "w32": jnp.ones(3, jnp.float32)}
+
+    def labels(tree):
+        return jax.tree.map(lambda leaf: "low" if leaf.dtype == jnp.float16 else "high", tree)
+
+    inner = optax.multi_transform({"low": optax.sgd(0.1), "high": optax.adam(0.1)}, labels)
+    tx = jls.loss_scaled(inner, jls.DynamicLossScale(1024.0))
+    grads = {"w16": jnp.full(3, 512.0, jnp.float16), "w32": jnp.full(3, 512.0)}
+    with pytest.raises(TypeError) as raised:
+        tx.update(grads, tx.init(params), params)
+    assert any(
+        "unscaled gradients of float16 leaves in float32" in note
+        and "optax.multi_transform's param_labels" in note
+        for note in getattr(raised.value, "__notes__", [])
+    )
+    # Labels given as a tree (or chosen by path) run, as bare optax's.
+    by_tree = optax.multi_transform(
+        {"low": optax.sgd(0.1), "high": optax.adam(0.1)}, {"w16": "low", "w32": "high"}
+    )
+    tx = jls.loss_scaled(by_tree, jls.DynamicLossScale(1024.0))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["w16"], -0.05, rtol=1e-6)
+    np.testing.assert_allclose(updates["w32"], -0.1, rtol=1e-5)
