@@ -169,14 +169,8 @@ def in_form(
         spike, apply = spike_rule.decide(summary, loss, state.spike_windows, scale_applies)
         apply = meta.gated(apply)  # a non-finite new meta value is skipped under every scale
 
-        widens_float16 = any(
-            getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(scaled_grads)
-        )
-
         def inner_update(given: Operands) -> tuple[optax.Updates, optax.OptState]:
-            with explaining_failures(
-                inner, given.inner_state, [given.params, given.scaled_grads], widens_float16
-            ):
+            with explaining_failures(inner, given.inner_state, given.params, given.scaled_grads):
                 grads = unscaled_gradients(given.scaled_grads, given.factors, given.params)
                 return inner.update(grads, given.inner_state, given.params, **given.extra_args)
 

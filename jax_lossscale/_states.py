@@ -182,24 +182,22 @@ def _stats_template() -> StepStats:
 
 @contextlib.contextmanager
 def explaining_failures(
-    inner: optax.GradientTransformation,
-    inner_state: PyTree,
-    init_arguments: list[PyTree],
-    widened: bool = False,
+    inner: optax.GradientTransformation, inner_state: PyTree, params: PyTree, scaled_grads: PyTree
 ) -> Iterator[None]:
     """Re-raises a failure of `inner.update` as a TypeError if the state is not `inner`'s;
     one raised by this library (a remedy's, which names its cause) goes through as it is.
-    `widened`: whether float16 gradients reached `inner.update` in float32, which a failure
-    is then noted to have perhaps come from."""
+    Where float16 gradients reached `inner.update` unscaled in float32, a note says so."""
     try:
         yield
     except Exception as error:
         if _raised_by_this_library(error):
             raise
-        mismatch = _inner_state_mismatch(inner, inner_state, init_arguments)
+        mismatch = _inner_state_mismatch(inner, inner_state, [params, scaled_grads])
         if mismatch is not None:
             raise TypeError(mismatch) from error
-        if widened:
+        if any(
+            getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(scaled_grads)
+        ):
             error.add_note(
                 "loss_scaled gave inner.update the unscaled gradients of float16 leaves in "
                 "float32 (float16 holds a scaled gradient, not always the unscaled one), where "

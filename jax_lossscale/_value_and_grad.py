@@ -105,7 +105,7 @@ def value_and_grad(
 
         # The output gradients' meta leaves, at the part of the scale the backward pass carries.
         numbers = argnums if using is None else 0
-        args, lift = _with_meta_divided_by_lift(
+        args, meta_divided = _with_meta_divided_by_rest(
             fun, has_aux, scale, meta_leaves, numbers, args, kwargs
         )
 
@@ -141,7 +141,7 @@ def value_and_grad(
 
         (_, (value, aux, rest)), grads = transform(scaled, **options)(*args, **kwargs)
         if rest is not None:
-            grads = _restored(meta_leaves, grads, rest, lift)
+            grads = _restored(meta_leaves, grads, rest, meta_divided)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_scaled_grad
@@ -167,7 +167,7 @@ def _times(rest: jax.Array, leaf: Any) -> Any:
     return leaf
 
 
-def _with_meta_divided_by_lift(
+def _with_meta_divided_by_rest(
     fun: Callable[..., Any],
     has_aux: bool,
     scale: jax.Array,
@@ -175,32 +175,32 @@ def _with_meta_divided_by_lift(
     argnums: int | Sequence[int],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[tuple[Any, ...], jax.Array | None]:
+) -> tuple[tuple[Any, ...], bool]:
     """`args` with the differentiated arguments' output-gradient meta leaves divided by the
-    rest of the scale, `lift`, and `lift`; or `args` as they are and None where there is
-    nothing to divide (or argnums is wrong: jax's own error follows)."""
+    rest of the scale, and True; or `args` as they are and False where there is nothing to
+    divide (or argnums is wrong: jax's own error follows)."""
     numbers = [argnums] if isinstance(argnums, int) else argnums
     if not isinstance(numbers, Sequence) or not all(
         isinstance(number, int) and -len(args) <= number < len(args) for number in numbers
     ):
-        return args, None
+        return args, False
     positions = [number % len(args) for number in numbers]
     differentiated = [args[position] for position in positions]
     # The differentiated arguments as the gradients come: one tree, or a tuple of them.
     tree = differentiated[0] if isinstance(argnums, int) else tuple(differentiated)
-    lift = _lift(fun, has_aux, scale, meta_leaves, tree, args, kwargs)
-    if lift is None:
-        return args, None
-    lowered = _lowered(meta_leaves, tree, lift)
+    rest = _rest_for_meta(fun, has_aux, scale, meta_leaves, tree, args, kwargs)
+    if rest is None:
+        return args, False
+    lowered = _lowered(meta_leaves, tree, rest)
     lowered_args = list(args)
     for position, argument in zip(
         positions, [lowered] if isinstance(argnums, int) else lowered, strict=True
     ):
         lowered_args[position] = argument
-    return tuple(lowered_args), lift
+    return tuple(lowered_args), True
 
 
-def _lift(
+def _rest_for_meta(
     fun: Callable[..., Any],
     has_aux: bool,
     scale: jax.Array,
@@ -225,43 +225,43 @@ def _lift(
 
 
 @jax.custom_vjp
-def _divided(leaf: jax.Array, lift: jax.Array) -> jax.Array:
-    """`leaf / lift`, whose cotangent goes through unchanged: a meta leaf's cotangent is its
+def _divided(leaf: jax.Array, rest: jax.Array) -> jax.Array:
+    """`leaf / rest`, whose cotangent goes through unchanged: a meta leaf's cotangent is its
     new value, at the scale the layer ran with."""
-    return (leaf.astype(jnp.float32) / lift).astype(leaf.dtype)
+    return (leaf.astype(jnp.float32) / rest).astype(leaf.dtype)
 
 
-def _divided_fwd(leaf: jax.Array, lift: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _divided(leaf, lift), lift
+def _divided_fwd(leaf: jax.Array, rest: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _divided(leaf, rest), rest
 
 
-def _divided_bwd(lift: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return cotangent, jnp.zeros_like(lift)
+def _divided_bwd(rest: jax.Array, cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return cotangent, jnp.zeros_like(rest)
 
 
 _divided.defvjp(_divided_fwd, _divided_bwd)
 
 
-def _lowered(meta_leaves: MetaLeaves, tree: Any, lift: jax.Array) -> Any:
-    """The differentiated arguments with their output-gradient meta leaves divided by `lift`."""
+def _lowered(meta_leaves: MetaLeaves, tree: Any, rest: jax.Array) -> Any:
+    """The differentiated arguments with their output-gradient meta leaves divided by `rest`."""
     _, follows = meta_leaves.following(tree, "gradients", "value_and_grad")
     leaves, structure = jax.tree.flatten(tree)
     lowered = [
-        _divided(leaf, lift) if flag and jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+        _divided(leaf, rest) if flag and jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
         for leaf, flag in zip(leaves, follows, strict=True)
     ]
     return jax.tree.unflatten(structure, lowered)
 
 
-def _restored(meta_leaves: MetaLeaves, grads: Any, rest: jax.Array, lift: jax.Array | None) -> Any:
+def _restored(meta_leaves: MetaLeaves, grads: Any, rest: jax.Array, meta_divided: bool) -> Any:
     """The gradients times `rest`; the meta leaves as the layers gave them, the output
-    gradients' times `lift` (saturating) where they ran divided by it."""
+    gradients' times `rest` too (saturating) where they ran divided by it."""
     flags, follows = meta_leaves.following(grads, "gradients", "value_and_grad")
     leaves, structure = jax.tree.flatten(grads)
     restored = []
     for leaf, flag, follow in zip(leaves, flags, follows, strict=True):
-        if follow and lift is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
-            restored.append(times_saturating(leaf, lift))
+        if follow and meta_divided and jnp.issubdtype(leaf.dtype, jnp.floating):
+            restored.append(times_saturating(leaf, rest))
         elif not flag:
             restored.append(_times(rest, leaf))
         else:
