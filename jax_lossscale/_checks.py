@@ -145,9 +145,11 @@ def real(owner: str, name: str, value: Any) -> float:
         fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
     if not math.isfinite(number):
         fail(owner, name, value, "finite")
-    if abs(number) > FLOAT32_MAX:
+    with np.errstate(over="ignore"):
+        rounded = np.float32(number)  # numpy's printed maximum, 3.4028235e+38, rounds to it
+    if not np.isfinite(rounded):
         fail(owner, name, value, f"at most the float32 maximum ({FLOAT32_MAX!r})")
-    return float(np.float32(number))
+    return float(rounded)
 
 
 def positive_real(owner: str, name: str, value: Any) -> float:

@@ -258,11 +258,19 @@ _WINDOW_FIELDS = ("recent_grad_norms", "recent_losses")  # the RecentValues fiel
 def _above(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:
     """Whether `value` is above the mean of a full `window` plus `sigmas` standard
     deviations. (A value that is not finite is a spike by itself, and never enters a
-    window, where it would make every later value a spike.)"""
-    mean = jnp.mean(window.values)
-    std = jnp.sqrt(jnp.mean(jnp.square(window.values - mean)))
+    window, where it would make every later value a spike.)
+
+    Computed in units of a power of two near the window's largest magnitude, exactly as in
+    plain float32 where its squares neither underflow nor overflow: so a window of norms
+    near 1e-18 or of losses near 1e22 decides as one near 1.0 does.
+    """
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(window.values)))
+    unit = jnp.ldexp(np.float32(1), jnp.clip(exponent - 1, -126, 127))
+    values = window.values / unit
+    mean = jnp.mean(values)
+    std = jnp.sqrt(jnp.mean(jnp.square(values - mean)))
     full = window.filled >= window.values.shape[0]
-    return full & (value > mean + np.float32(sigmas) * std)
+    return full & (value / unit > mean + np.float32(sigmas) * std)
 
 
 def _recorded(window: RecentValues, value: jax.Array, applied: jax.Array) -> RecentValues:

@@ -1268,6 +1268,35 @@ def test_a_traced_initial_scale_is_taken_only_as_a_real_scalar(value, what):
     ), str(excinfo.value)
 
 
+@pytest.mark.parametrize(
+    ("make", "held"),
+    [
+        (lambda value: jls.FixedLossScale(value), lambda made: made.loss_scale_value),
+        (
+            lambda value: jls.DynamicLossScale(initial_loss_scale=value),
+            lambda made: made.initial_loss_scale,
+        ),
+        (
+            lambda value: jls.DynamicLossScale(max_loss_scale=value),
+            lambda made: made.max_loss_scale,
+        ),
+    ],
+    ids=["FixedLossScale", "initial_loss_scale", "max_loss_scale"],
+)
+def test_numpys_printed_float32_maximum_is_taken_as_the_float32_maximum(make, held):
+    """3.4028235e+38, as numpy prints the float32 maximum, rounds to it in float32 and is
+    taken as it, as small values are taken rounded; the next value rounds to inf."""
+    assert held(make(3.4028235e38)) == float(np.finfo(np.float32).max)
+    with pytest.raises(ValueError, match=re.escape(F32_MAX_TEXT)):
+        make(3.4028236e38)
+
+
+def test_a_bound_on_the_norm_at_numpys_printed_float32_maximum_is_taken():
+    tx = jls.loss_scaled(optax.sgd(0.1), FIX, skip_grad_norm_above=3.4028235e38)
+    updates, _ = tx.update({"w": device_array([4.0, 8.0])}, tx.init(PARAMS), PARAMS)
+    np.testing.assert_array_equal(updates["w"], np.float32([-0.1, -0.2]))
+
+
 # --- None leaves are not bad input: they are ignored (docs/optax-wrapper.md) ----------------
 
 NONE_GRADS = {"b": None, "w": device_array([8.0, np.inf]), "z": (None, device_array([16.0]))}
