@@ -27,11 +27,12 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
     """Whether every floating leaf of `tree` is free of NaN, +inf and -inf.
 
     `None` leaves and integer, boolean and `float0` arrays are ignored, so an
-    empty tree is finite. With `axis_name` (inside `pmap` or `shard_map`) the
-    answer is combined across that axis: it is true only when it is true on
-    every device, and every device gets the same answer. The test is exact per
-    entry: a finite entry of any size is finite (`loss_scaled`'s own check also
-    counts gradients whose squared norm overflows float32, see `LossScaleStats`).
+    empty tree is finite; a Python number is taken as an array, as jmp takes it.
+    With `axis_name` (inside `pmap` or `shard_map`) the answer is combined across
+    that axis: it is true only when it is true on every device, and every device
+    gets the same answer. The test is exact per entry: a finite entry of any size
+    is finite (`loss_scaled`'s own check also counts gradients whose squared norm
+    overflows float32, see `LossScaleStats`).
 
     Args:
       tree: a pytree of arrays, typically gradients.
@@ -48,9 +49,20 @@ def all_finite(tree: PyTree, axis_name: AxisName | None = None) -> jax.Array:
       >>> jls.all_finite({"w": jnp.array([1.0, jnp.inf])})
       Array(False, dtype=bool)
     """
+    tree = jax.tree.map(_python_number_as_array, tree)  # as jmp's all_finite takes them
     check_array_leaves(tree, arg_name="tree", caller="all_finite")
     check_axis_name(axis_name, caller="all_finite")
     return cast(jax.Array, finite_flag(tree, axis_name))  # jax.jit's wrapper returns Any
+
+
+def _python_number_as_array(leaf: Any) -> Any:
+    """A Python number (a float, say a learning rate logged beside the gradients) as a NumPy
+    array; anything else, and an int past every NumPy integer, as it is."""
+    if isinstance(leaf, bool | int | float | complex) and not isinstance(leaf, np.generic):
+        array = np.asarray(leaf)
+        if array.dtype != object:
+            return array
+    return leaf
 
 
 @functools.partial(jax.jit, static_argnums=1)

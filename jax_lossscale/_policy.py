@@ -51,8 +51,8 @@ def half_dtype() -> Any:
 def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
     """`tree` with each floating-point array cast to `dtype`, and nothing else changed.
 
-    Integer, boolean and complex arrays, typed PRNG keys, Python scalars, None and
-    leaves that are not arrays (an equinox module's functions) come back as they
+    Integer, boolean and complex arrays, typed PRNG keys, Python and NumPy scalars, None
+    and leaves that are not arrays (an equinox module's functions) come back as they
     were, and so does a strongly typed array already of `dtype`: the same object, no
     op in a jitted graph. The floating arrays returned are strongly typed, as jmp's
     casts return them: a weakly typed float32 scalar (a Python float passed to a
@@ -75,6 +75,7 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
         # float16 array it meets, and `h16 * cast_to_full(0.5) * 1000` would overflow.
         if (
             is_array(leaf)
+            and not isinstance(leaf, np.generic)  # a NumPy scalar is left as jmp leaves it
             and jnp.issubdtype(leaf.dtype, jnp.floating)
             and (leaf.dtype != target or getattr(leaf, "weak_type", False))
         ):
@@ -114,8 +115,10 @@ class Policy:
 
     Frozen and hashable, so it can be a static argument of `jit` or a field of an
     equinox module. The dtypes are given as NumPy or JAX dtypes or their names
-    (`"float16"`, `"bf16"`, `"half"`, ...); `get_policy` parses a whole policy from a
-    string, and `str(policy)` writes one it parses back.
+    (`"float16"`, `"bf16"`, `"half"`, ...) and held as JAX's scalar types, as jmp holds
+    them (`policy.compute_dtype is jnp.float16`, and `policy.compute_dtype(0.5)` makes a
+    scalar); `get_policy` parses a whole policy from a string, and `str(policy)` writes one
+    it parses back.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -134,7 +137,7 @@ class Policy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             dtype = floating_dtype(getattr(self, field), "Policy", field)
-            object.__setattr__(self, field, dtype)
+            object.__setattr__(self, field, _scalar_type(dtype))
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """`tree`'s floating arrays cast to the param dtype."""
@@ -154,7 +157,7 @@ class Policy:
 
     def __str__(self) -> str:
         return ",".join(
-            f"{key}={_NAMES.get(dtype, (dtype.name,))[0]}"
+            f"{key}={_NAMES.get(jnp.dtype(dtype), (jnp.dtype(dtype).name,))[0]}"
             for key, dtype in zip(
                 "pco", (self.param_dtype, self.compute_dtype, self.output_dtype), strict=True
             )
@@ -327,6 +330,12 @@ def _other_floating(name: str) -> np.dtype[Any] | None:
     except (TypeError, ValueError):
         return None
     return dtype if dtype.name == name and jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def _scalar_type(dtype: np.dtype[Any]) -> Any:
+    """JAX's scalar type of `dtype` (`jnp.float16`), or `dtype` where JAX names none."""
+    scalar_type = getattr(jnp, dtype.name, None)
+    return scalar_type if scalar_type is not None and jnp.dtype(scalar_type) == dtype else dtype
 
 
 def floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:

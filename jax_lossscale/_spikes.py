@@ -276,8 +276,9 @@ def _above(value: jax.Array, window: RecentValues, sigmas: float) -> jax.Array:
 def _recorded(window: RecentValues, value: jax.Array, applied: jax.Array) -> RecentValues:
     """`window` with `value` written at its next index if the step was applied."""
     size = window.values.shape[0]
+    values = jnp.asarray(window.values)  # a state read back with jax.device_get holds NumPy's
     return RecentValues(
-        values=jnp.where(applied, window.values.at[window.next_index].set(value), window.values),
+        values=jnp.where(applied, values.at[window.next_index].set(value), values),
         filled=jnp.where(applied, jnp.minimum(window.filled + 1, size), window.filled),
         next_index=jnp.where(applied, (window.next_index + 1) % size, window.next_index),
     )

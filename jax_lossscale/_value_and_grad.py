@@ -95,11 +95,13 @@ def value_and_grad(
         scale = jnp.asarray(opt_state) if given else _scale(opt_state)
         if not isinstance(scale, jax.core.Tracer) and _staged():
             raise ValueError(
-                f"value_and_grad: the loss scale ({float(scale)!r}) is a constant of the step "
-                "being traced, not one of its arguments: the function was built outside the "
-                "jitted step (grad_fn = value_and_grad(loss_fn, opt_state) once), so the first "
-                "scale would be compiled in and go stale after the scale changes. Build it "
-                "inside the step from the step's own opt_state: "
+                f"value_and_grad: the loss scale ({float(scale)!r}) is a constant of the "
+                "computation being traced, not one of its arguments: the opt_state it is read "
+                "from did not go into that computation (grad_fn = value_and_grad(loss_fn, "
+                "opt_state) built once outside a jitted step, or called in the body of a "
+                "lax.scan or fori_loop that closes over opt_state), so the first scale would "
+                "be compiled in and go stale after the scale changes. Pass opt_state in (an "
+                "argument of the jitted step, or the loop's carry) and build it there: "
                 "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
             )
 

@@ -58,7 +58,18 @@ def jmp_users_casting_code(mp):
             mp.all_finite({**finite, "c": jnp.array([1.0, jnp.inf])}),
             mp.all_finite({**finite, "c": jnp.array([jnp.nan], jnp.float16)}),
             mp.all_finite({}),
+            mp.all_finite({**finite, "learning_rate": 1e-3, "step": 7, "done": False}),
+            mp.all_finite({**finite, "g": float("inf")}),
         ],
+        # The dtypes are JAX's scalar types: called to make a scalar, and keys of a dict.
+        "compute_scalar": policy.compute_dtype(1e-3),
+        "dtype_names": [
+            {jnp.float16: "fp16", jnp.bfloat16: "bf16", jnp.float32: "fp32"}[dtype]
+            for dtype in (policy.param_dtype, policy.compute_dtype, short.compute_dtype)
+        ],
+        "scalar_types": (policy.compute_dtype is jnp.float16, short.param_dtype is jnp.float32),
+        # NumPy scalars (a logged learning rate, a temperature) are left as they are.
+        "numpy_scalars": mp.cast_to_half({"lr": np.float64(1e-5), "temperature": np.float32(0.7)}),
     }
 
 
@@ -73,8 +84,14 @@ def test_jmps_casting_code_runs_unchanged_with_jax_lossscale_as_jmp():
     for key in ("compute_params", "params_back", "output", "full", "half"):
         chex.assert_trees_all_equal_dtypes(ours[key], theirs[key])
         assert_bits_equal(ours[key], theirs[key])
-    assert [bool(x) for x in ours["all_finite"]] == [True, False, False, True]
-    assert [bool(x) for x in theirs["all_finite"]] == [True, False, False, True]
+    assert [bool(x) for x in ours["all_finite"]] == [True, False, False, True, True, False]
+    assert [bool(x) for x in theirs["all_finite"]] == [True, False, False, True, True, False]
+    assert_bits_equal(ours["compute_scalar"], theirs["compute_scalar"])
+    assert ours["dtype_names"] == theirs["dtype_names"] == ["fp32", "fp16", "bf16"]
+    assert ours["scalar_types"] == theirs["scalar_types"] == (True, True)
+    for numpy_scalars in (ours["numpy_scalars"], theirs["numpy_scalars"]):
+        assert numpy_scalars == {"lr": np.float64(1e-5), "temperature": np.float32(0.7)}
+        assert [type(v) for v in numpy_scalars.values()] == [np.float64, np.float32]
 
 
 def test_each_library_parses_the_others_policy_string():

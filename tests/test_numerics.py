@@ -160,8 +160,8 @@ def test_large_array_with_one_nan_at_the_end():
             "every leaf must be a JAX or NumPy array (or None)",
         ),
         (
-            [device_array(np.ones(2)), {"w": 1.5}],
-            "all_finite: tree leaf at [1]['w'] has type float (1.5); "
+            [device_array(np.ones(2)), {"w": 1.5, "n": 10**5000}],
+            "all_finite: tree leaf at [1]['n'] has type int (<int of 16610 bits>); "
             "every leaf must be a JAX or NumPy array (or None)",
         ),
         (
@@ -170,7 +170,7 @@ def test_large_array_with_one_nan_at_the_end():
             "expected a numeric, boolean or float0 array",
         ),
     ],
-    ids=["str", "python-float", "str-array"],
+    ids=["str", "python-int-past-numpy", "str-array"],
 )
 def test_non_array_leaf_raises_type_error_naming_its_path(tree, message):
     with pytest.raises(TypeError, match=re.escape(message)):
@@ -178,6 +178,16 @@ def test_non_array_leaf_raises_type_error_naming_its_path(tree, message):
     # Inside jit the check fires at trace time, on a closed-over tree.
     with pytest.raises(TypeError, match=re.escape(message)):
         jax.jit(lambda: jls.all_finite(tree))()
+
+
+def test_python_numbers_are_taken_as_arrays_as_jmp_takes_them():
+    """jmp's `all_finite` is `jnp.isfinite` over every leaf: a learning rate logged beside the
+    gradients is checked, and an int or a bool is finite."""
+    grads = {"g": device_array([1.0, 2.0])}
+    assert bool(jls.all_finite({**grads, "learning_rate": 1e-3, "step": 7, "done": True}))
+    assert not bool(jls.all_finite({**grads, "loss": float("inf")}))
+    assert not bool(jls.all_finite({**grads, "z": complex(0.0, float("nan"))}))
+    assert not bool(jax.jit(lambda g: jls.all_finite({**g, "x": float("-inf")}))(grads))
 
 
 # --- several devices --------------------------------------------------------------------------

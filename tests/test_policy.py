@@ -418,11 +418,14 @@ def test_cast_tree_of_an_array_already_in_dtype_adds_no_equation():
     assert [e.primitive.name for e in eqns] == ["convert_element_type"] * 2
 
 
-def test_cast_tree_keeps_numpy_arrays_numpy():
-    result = jls.cast_tree({"a": np.ones(3, np.float32), "s": np.float32(2.0)}, jnp.float16)
+def test_cast_tree_keeps_numpy_arrays_numpy_and_numpy_scalars_as_they_are():
+    """A NumPy scalar is left as it is, as jmp leaves it (np.float64 is a Python float)."""
+    tree = {"a": np.ones(3, np.float32), "s": np.float32(2.0), "lr": np.float64(1e-5)}
+    result = jls.cast_tree(tree, jnp.float16)
     assert type(result["a"]) is np.ndarray
     assert result["a"].dtype == np.float16
-    assert type(result["s"]) is np.float16
+    assert result["s"] is tree["s"]
+    assert result["lr"] is tree["lr"]
     result = jls.cast_tree(np.ones(2, np.float16), jnp.bfloat16)
     assert type(result) is np.ndarray
     assert result.dtype == jnp.bfloat16
@@ -513,7 +516,8 @@ def test_policy_is_frozen_and_hashable_with_equal_policies_hashing_equal():
     assert hash(a) == hash(b) == hash(c)
     assert len({a, b, c, jls.get_policy("f16")}) == 2
     assert a.param_dtype == np.dtype(np.float32)  # dtypes are normalized
-    assert type(a.compute_dtype) is type(np.dtype(np.float16))
+    assert b.param_dtype is jnp.float32  # to JAX's scalar types, as jmp holds them
+    assert b.compute_dtype is c.compute_dtype is jnp.float16
     with pytest.raises(AttributeError):
         a.param_dtype = jnp.float16
 

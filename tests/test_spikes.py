@@ -609,6 +609,27 @@ def test_the_norm_comes_from_the_finite_check_s_reductions(placement):
     assert counts == {"off": n, "bound": n, "window": n + 6}
 
 
+def test_a_state_read_back_as_numpy_arrays_updates_eagerly_as_it_does_jitted():
+    """`jax.device_get(opt_state)` (or `flax.serialization.from_bytes`) gives NumPy leaves,
+    which bare optax takes eagerly; the spike windows' update raised AttributeError ('at')."""
+    tx = jls.loss_scaled(
+        optax.adam(1e-2), jls.DynamicLossScale(256.0), skip_spike_sigmas=3.0, spike_window=4
+    )
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.array([1.0, 2.0, 3.0]) * 256.0}
+    opt_state = tx.init(params)
+    for _ in range(2):
+        _, opt_state = tx.update(grads, opt_state, params, value=1.0)
+    on_host = jax.device_get(opt_state)
+    assert isinstance(on_host.spike_windows.recent_grad_norms.values, np.ndarray)
+    from_host = tx.update(grads, on_host, params, value=1.0)
+    assert_bits_equal(from_host, tx.update(grads, opt_state, params, value=1.0))
+    norms = _window_in_order(from_host[1].spike_windows.recent_grad_norms)
+    assert norms == [pytest.approx(math.sqrt(14.0))] * 3
+    jitted = jax.jit(tx.update)(grads, on_host, params, value=1.0)
+    assert_bits_equal(from_host[1].spike_windows, jitted[1].spike_windows)
+
+
 def test_a_run_resumed_mid_window_continues_bit_identically(tmp_path):
     tx = jls.loss_scaled(
         optax.adam(0.1), jls.DynamicLossScale(2.0**5, increment_period=3),

@@ -1018,15 +1018,44 @@ def test_built_outside_a_jitted_step_and_called_inside_it_raises_at_the_call():
 
         return step
 
-    message = (
-        "value_and_grad: the loss scale (32768.0) is a constant of the step being traced, not "
-        "one of its arguments: the function was built outside the jitted step (grad_fn = "
-        "value_and_grad(loss_fn, opt_state) once), so the first scale would be compiled in and "
-        "go stale after the scale changes. Build it inside the step from the step's own "
-        "opt_state: jls.value_and_grad(loss_fn, opt_state)(params, ...)"
-    )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jit may add a note
+    with pytest.raises(ValueError, match=f"^{re.escape(STAGED_MESSAGE)}"):  # jit adds a note
         one_overflow_then_a_step(make_step)
+
+
+STAGED_MESSAGE = (
+    "value_and_grad: the loss scale (32768.0) is a constant of the computation being traced, "
+    "not one of its arguments: the opt_state it is read from did not go into that computation "
+    "(grad_fn = value_and_grad(loss_fn, opt_state) built once outside a jitted step, or called "
+    "in the body of a lax.scan or fori_loop that closes over opt_state), so the first scale "
+    "would be compiled in and go stale after the scale changes. Pass opt_state in (an argument "
+    "of the jitted step, or the loop's carry) and build it there: "
+    "jls.value_and_grad(loss_fn, opt_state)(params, ...)"
+)
+
+
+def test_in_an_eager_scan_closing_over_opt_state_the_message_names_the_loop():
+    """Gradient accumulation over microbatches in a `lax.scan` outside `jit`, the body closing
+    over a concrete opt_state: scan traces the body and would keep that scale. It raises with
+    the message for loops; with opt_state in the carry the same body runs."""
+    fun = lambda w, x: jnp.sum(w * x) ** 2  # noqa: E731
+    tx, _ = dynamic_tx(optax.sgd(0.1), initial_loss_scale=2.0**15)
+    params = jnp.ones(3, F32)
+    opt_state = tx.init(params)
+
+    def closing_over(total, x):
+        _, grads = jls.value_and_grad(fun, opt_state)(params, x)
+        return total + grads, None
+
+    with pytest.raises(ValueError, match=f"^{re.escape(STAGED_MESSAGE)}"):  # and a note
+        jax.lax.scan(closing_over, jnp.zeros(3, F32), jnp.ones((4, 3), F32))
+
+    def carrying(carry, x):
+        total, state = carry
+        _, grads = jls.value_and_grad(fun, state)(params, x)
+        return (total + grads, state), None
+
+    (total, _), _ = jax.lax.scan(carrying, (jnp.zeros(3, F32), opt_state), jnp.ones((4, 3), F32))
+    assert_bits_equal(total, jnp.full(3, 4 * 6.0 * 2.0**15, F32))
 
 
 def test_built_outside_with_the_scale_read_by_hand_raises_too():
