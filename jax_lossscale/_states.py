@@ -48,7 +48,11 @@ class LossScaleStats(NamedTuple):
     the first step; NaN only when they held a NaN; +inf when they held an infinity, or when
     their squares add up past the float32 maximum, a norm above about 1.8e19), from the
     pass that checks them. A step whose `grad_norm` is not finite is an overflow, on every
-    platform and in every distribution: a `DynamicLossScale` skips it and backs off.
+    platform and in every distribution: a `DynamicLossScale` skips it and backs off. The
+    squares are float32, as `optax.global_norm` takes them: an entry below about 1.1e-19
+    (2**-63) squares to below float32's normal range and adds nothing, so gradients that
+    small throughout (float32 or bfloat16 ones; no float16 gradient unscales that small at
+    a scale below 2**39) read a `grad_norm` of 0.
     The counters saturate at `2**31 - 1`. A skipped step counts as a NaN skip when its
     gradients held a NaN, as an inf skip when `grad_norm` was +inf (an infinity, before or
     after unscaling, or a squared norm past float32) and no NaN, as a spike skip when they
