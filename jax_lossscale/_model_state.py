@@ -7,12 +7,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_lossscale._axes import explicit_sharding
-from jax_lossscale._checks import check_array_leaves, describe_array, path_name
-from jax_lossscale._lookup import get_loss_scale_stats
+from jax_lossscale._checks import check_array_leaves, describe, describe_array, path_name
+from jax_lossscale._fp8_meta import follows_scale, times_saturating
+from jax_lossscale._lookup import get_loss_scale, get_loss_scale_stats
 from jax_lossscale._types import PyTree
 
 
-def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
+def where_applied(opt_state: Any, new: PyTree, old: PyTree, *, scale_before: Any = None) -> PyTree:
     """`new` if the last `loss_scaled` step was applied, `old` if it was skipped.
 
     For the state a model changes in its forward pass, which `tx.update` never sees:
@@ -29,6 +30,12 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
         boolean dtype, and typed PRNG keys (an nnx model's `RngKey`s).
       old: the model state before it; a pytree of the same structure, shapes and
         dtypes as `new`.
+      scale_before: for fp8 meta state taken this way (flax's `_overwrite_with_gradient`
+        collection, the params alone given to the optimizer): the loss scale before this
+        step, `jls.get_loss_scale(opt_state)` read before `tx.update`. The output
+        gradients' amax histories and scales (`output_grad_amax_history`,
+        `output_grad_scale`), which hold amaxes at the scale, are then multiplied by the new
+        scale over it, applied or skipped, as `loss_scaled` does to the meta state it sets.
 
     Returns:
       A pytree like `new`: each leaf from `new` or from `old`.
@@ -72,7 +79,28 @@ def where_applied(opt_state: Any, new: PyTree, old: PyTree) -> PyTree:
         jnp.where(applied, new_leaf, _placed_like(old_leaf, new_leaf))
         for (_, new_leaf), old_leaf in zip(new_leaves, old_leaves, strict=True)
     ]
+    if scale_before is not None:
+        ratio = get_loss_scale(opt_state) / _scale_before(scale_before)
+        kept = [
+            times_saturating(leaf, ratio) if follows_scale(path) else leaf
+            for (path, _), leaf in zip(new_leaves, kept, strict=True)
+        ]
     return jax.tree.unflatten(structure, kept)
+
+
+def _scale_before(value: Any) -> jax.Array:
+    """`scale_before` as a float32 scalar, or a TypeError naming it."""
+    try:
+        scale = jnp.asarray(value)
+    except TypeError:
+        scale = None
+    if scale is None or scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise TypeError(
+            f"where_applied(scale_before={describe(value)}): scale_before must be the loss "
+            "scale before the step, a float scalar: jls.get_loss_scale(opt_state) read "
+            "before tx.update"
+        )
+    return scale.astype(jnp.float32)
 
 
 def _placed_like(old: Any, new: Any) -> Any:

@@ -94,17 +94,18 @@ def _whole_tree_step(tx):
     return step
 
 
-def _train_state_step(tx):
-    """The exact route: the updates to the params alone, the collection through where_applied."""
+def _train_state_step(tx, follow=True):
+    """The exact route: the updates to the params alone, the collection through where_applied
+    (given the scale before the step, unless not `follow`: then the output gradients' meta
+    leaves keep the old scale, as before `scale_before`)."""
 
     @jax.jit
     def step(variables, opt_state, x, y):
         _, grads = jls.value_and_grad(_loss, opt_state)(variables, x, y)
+        scale_before = jls.get_loss_scale(opt_state) if follow else None
         updates, opt_state = tx.update(grads, opt_state, variables)
-        new = {
-            "params": optax.apply_updates(variables["params"], updates["params"]),
-            OWG: jls.where_applied(opt_state, grads[OWG], variables[OWG]),
-        }
+        meta = jls.where_applied(opt_state, grads[OWG], variables[OWG], scale_before=scale_before)
+        new = {"params": optax.apply_updates(variables["params"], updates["params"]), OWG: meta}
         return new, opt_state
 
     return step
@@ -184,7 +185,8 @@ def test_train_state_route_sees_an_inf_amax_as_an_overflow():
     assert not bool(stats.last_step_applied)
     assert int(stats.inf_skipped_steps) == 1
     assert float(stats.loss_scale) == SCALE / 2
-    assert_bits_equal(variables, after_first)
+    # Kept bit for bit, but the output gradients' meta, which follow the back-off.
+    assert_bits_equal(variables, _followed(after_first, 0.5))
     variables, opt_state = TRAIN_STATE_STEP(variables, opt_state, X, Y)
     assert bool(jls.get_loss_scale_stats(opt_state).last_step_applied)
     assert _no_inf(variables)
@@ -447,13 +449,15 @@ def test_output_gradient_meta_follows_the_loss_scale_when_it_grows():
     followed, followed_state = _whole_tree_step(tx)(
         initial_variables(), tx.init(initial_variables()), X, Y
     )
-    plain, plain_state = _train_state_step(tx)(
+    plain, plain_state = _train_state_step(tx, follow=False)(
         initial_variables(), tx.init(initial_variables()), X, Y
     )
+    exact, _ = _train_state_step(tx)(initial_variables(), tx.init(initial_variables()), X, Y)
     assert float(jls.get_loss_scale(followed_state)) == 2 * SCALE
     layer = _layer(followed)
     assert float(_layer(plain)["output_grad_amax_history"][0]) == 36.0
     assert float(layer["output_grad_amax_history"][0]) == 72.0  # the amax at the new scale
+    assert_bits_equal(_layer(exact), layer)  # the exact route, given the scale before
     assert float(layer["output_grad_scale"][0]) == 2.0
     assert float(layer["input_amax_history"][0]) == np.float32(INPUT_AMAX)  # forward: as it was
     # The step after the growth: its gradients are twice as large. Where the history did not
@@ -561,11 +565,10 @@ def _three_routes(loss_dtype, loss_scale):
         updates, whole_state = tx.update(grads, whole_state, whole)
         whole = optax.apply_updates(whole, updates)
         _, grads = jls.value_and_grad(loss, exact_state)(exact, x)
+        scale_before = jls.get_loss_scale(exact_state)
         updates, exact_state = tx.update(grads, exact_state, exact)
-        exact = {
-            "params": exact["params"],
-            OWG: jls.where_applied(exact_state, grads[OWG], exact[OWG]),
-        }
+        meta = jls.where_applied(exact_state, grads[OWG], exact[OWG], scale_before=scale_before)
+        exact = {"params": exact["params"], OWG: meta}
         return state, whole, whole_state, exact, exact_state
 
     return tx, state, steps
@@ -697,11 +700,10 @@ def _long_run(steps, loss_dtype, initial_scale, form=Form.LOWERED):
         updates, whole_state = tx.update(grads, whole_state, whole)
         whole = optax.apply_updates(whole, updates)
         loss_e, grads = jls.value_and_grad(_tiny_loss, exact_state)(exact, x, y)
+        scale_before = jls.get_loss_scale(exact_state)
         updates, exact_state = tx.update(grads, exact_state, exact)
-        exact = {
-            "params": optax.apply_updates(exact["params"], updates["params"]),
-            OWG: jls.where_applied(exact_state, grads[OWG], exact[OWG]),
-        }
+        meta = jls.where_applied(exact_state, grads[OWG], exact[OWG], scale_before=scale_before)
+        exact = {"params": optax.apply_updates(exact["params"], updates["params"]), OWG: meta}
         applied = [
             jls.get_loss_scale_stats(s).last_step_applied for s in (whole_state, exact_state)
         ]
@@ -723,7 +725,7 @@ def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
     # (3.8e13 by step 1,000), clean gradients became 0.0, the loss fell behind the exact route.
     # A float16 loss carries at most 2**15 through the backward pass, the rest of the scale
     # multiplying the gradients; the histories follow the whole scale all the same.
-    (whole, whole_state, _, exact_state), outputs = _long_run(400, loss_dtype, initial_scale)
+    (whole, whole_state, exact, exact_state), outputs = _long_run(400, loss_dtype, initial_scale)
     applied_whole, applied_exact, loss_whole, loss_exact, unscaled = map(np.asarray, outputs)
     assert int(applied_whole.sum()) == int(applied_exact.sum()) == 384  # 16 inf pixels
     assert not np.any(applied_exact & ~applied_whole)
@@ -740,6 +742,15 @@ def test_output_gradient_meta_follows_every_growth_and_back_off_over_a_long_run(
     expected[-len(amaxes) + 1 :] = amaxes[:-1]
     # (Within a few float32 roundings: the whole-tree route adds new - old.)
     np.testing.assert_allclose(history, expected, rtol=1e-6, atol=0)
+    # The exact route (given the scale before each step) follows it as well. Before
+    # `scale_before`: half of it after every growth, and e5m2 clipped the next step's gradients.
+    for name in ("output_grad_amax_history", "output_grad_scale"):
+        np.testing.assert_allclose(
+            exact[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"][name],
+            whole[OWG]["Dense_0"]["Fp8DirectDotGeneralOp_0"][name],
+            rtol=1e-6,
+            atol=0,
+        )
     late_whole, late_exact = loss_whole[-50:].mean(), loss_exact[-50:].mean()
     assert abs(late_whole - late_exact) <= 0.1 * late_exact, (late_whole, late_exact)
 

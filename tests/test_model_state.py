@@ -225,6 +225,39 @@ def test_applied_step_takes_new_and_skipped_step_old(jit):
     assert_bits_equal(where_applied(tx.init(params), new, old), new)  # before any step
 
 
+def test_given_the_scale_before_output_gradient_meta_follows_the_scale_and_nothing_else():
+    """fp8 meta taken through where_applied (docs/integrations.md, the exact route): flax's
+    output-gradient leaves are multiplied by the new scale over the scale before, applied or
+    skipped; other leaves are selected as without it."""
+    tx = jls.loss_scaled(optax.sgd(0.1), jls.DynamicLossScale(8.0, increment_period=1))
+    params = {"w": jnp.ones(2)}
+    layer = lambda value: {  # noqa: E731
+        "output_grad_amax_history": jnp.full(3, value, jnp.float16),
+        "output_grad_scale": jnp.full(1, value, jnp.float32),
+        "input_scale": jnp.full(1, value, jnp.float32),
+    }
+    new, old = {"Dense_0": layer(3.0)}, {"Dense_0": layer(5.0)}
+    grown = tx.update({"w": jnp.ones(2)}, tx.init(params), params)[1]  # 8 -> 16, applied
+    backed_off = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)[1]  # -> 4
+    kept = jls.where_applied(grown, new, old, scale_before=jnp.float32(8.0))["Dense_0"]
+    assert_bits_equal(kept["output_grad_amax_history"], jnp.full(3, 6.0, jnp.float16))
+    assert_bits_equal(kept["output_grad_scale"], jnp.full(1, 6.0, jnp.float32))
+    assert_bits_equal(kept["input_scale"], jnp.full(1, 3.0, jnp.float32))
+    kept = jls.where_applied(backed_off, new, old, scale_before=8.0)["Dense_0"]
+    assert_bits_equal(kept["output_grad_amax_history"], jnp.full(3, 2.5, jnp.float16))
+    assert_bits_equal(kept["input_scale"], jnp.full(1, 5.0, jnp.float32))
+    # A product the dtype cannot hold is its largest finite value, as loss_scaled stores it.
+    big = {"Dense_0": layer(40960.0)}
+    kept = jls.where_applied(grown, big, old, scale_before=8.0)["Dense_0"]
+    assert_bits_equal(kept["output_grad_amax_history"], jnp.full(3, 65504.0, jnp.float16))
+    with pytest.raises(TypeError) as excinfo:
+        jls.where_applied(grown, new, old, scale_before="8")
+    assert str(excinfo.value) == (
+        "where_applied(scale_before='8'): scale_before must be the loss scale before the step, "
+        "a float scalar: jls.get_loss_scale(opt_state) read before tx.update"
+    )
+
+
 def test_mismatched_trees_are_refused_naming_the_leaf():
     tx = _tx()
     opt_state = tx.init({"w": jnp.ones(2)})
