@@ -300,6 +300,12 @@ def kahan_summation(compensation_dtype: Any = None) -> optax.GradientTransformat
                 new_bits.append(None)
                 new_floats.append(None)
                 continue
+            if jnp.shape(buffer) != jnp.shape(param):
+                raise ValueError(
+                    f"kahan_summation.update: the param {path_name(path)} has shape "
+                    f"{jnp.shape(param)}, but the state's buffer for it {jnp.shape(buffer)}; "
+                    "a new model needs a new tx.init(params)"
+                )
             if bits is not None:
                 total, rounded = add_in_float32(param, bits, widened(update))
             else:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, NoReturn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._types import PyTree
 
@@ -327,3 +328,20 @@ class _NotGiven:
 
 
 NOT_GIVEN: Any = _NotGiven()
+
+
+def checked_transformation(inner: Any, owner: str) -> optax.GradientTransformationExtraArgs:
+    """`inner` (an optax transformation or `optax.MultiSteps`) taking extra arguments, or a
+    TypeError naming `owner`'s `inner` (an optimizer not called yet: `optax.adam`)."""
+    if isinstance(inner, optax.MultiSteps):
+        # optax types MultiSteps.update's state as its MultiStepsState, narrower than the
+        # OptState of the update protocol.
+        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)  # type: ignore[arg-type]
+    if not isinstance(inner, optax.GradientTransformation):
+        hint = "; call it first, e.g. optax.adam(1e-3)" if callable(inner) else ""
+        raise TypeError(
+            f"{owner}(inner={describe(inner)}): inner must be an optax "
+            f"GradientTransformation, got {type(inner).__name__}{hint}"
+        )
+    # A public optax function that optax's __init__ imports but leaves out of its __all__.
+    return optax.with_extra_args_support(inner)  # type: ignore[attr-defined]

@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import optax
 
 from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, scale_of
-from jax_lossscale._checks import check_array_leaves, check_axis_name, describe
+from jax_lossscale._checks import (
+    check_array_leaves,
+    check_axis_name,
+    checked_transformation,
+    describe,
+)
 from jax_lossscale._fp8_meta import MetaLeaves
 from jax_lossscale._lookup import wrapper_states
 from jax_lossscale._numerics import (
@@ -128,7 +133,7 @@ def in_form(
 ) -> optax.GradientTransformationExtraArgs:
     """`loss_scaled` in the `form` given: `Form.LOWERED` is the platform's; tests pass
     `Form.CPU` or `Form.GPU` to run either on any platform."""
-    inner = _checked_inner(inner)
+    inner = checked_transformation(inner, "loss_scaled")
     _check_loss_scale(loss_scale)
     check_axis_name(axis_name, caller="loss_scaled", require_bound=False)
     check_holds_scale(loss_scale, caller="loss_scaled")
@@ -205,23 +210,6 @@ def _own_arrays(tree: PyTree, params: PyTree) -> PyTree:
 
     jax.tree.map(once, params)
     return jax.tree.map(once, tree)
-
-
-def _checked_inner(
-    inner: optax.GradientTransformation | optax.MultiSteps,
-) -> optax.GradientTransformationExtraArgs:
-    if isinstance(inner, optax.MultiSteps):
-        # optax types MultiSteps.update's state as its MultiStepsState, narrower than the
-        # OptState of the update protocol.
-        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)  # type: ignore[arg-type]
-    if not isinstance(inner, optax.GradientTransformation):
-        hint = "; call it first, e.g. optax.adam(1e-3)" if callable(inner) else ""
-        raise TypeError(
-            f"loss_scaled(inner={describe(inner)}): inner must be an optax "
-            f"GradientTransformation, got {type(inner).__name__}{hint}"
-        )
-    # A public optax function that optax's __init__ imports but leaves out of its __all__.
-    return optax.with_extra_args_support(inner)  # type: ignore[attr-defined]
 
 
 def _check_loss_scale(loss_scale: Any) -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._checks import describe, path_name
+from jax_lossscale._checks import checked_transformation, describe, is_array, path_name
 from jax_lossscale._rounding import (
     checked_key,
     on_this_shard,
@@ -108,7 +108,7 @@ def low_precision_state(
       >>> opt_state.inner_state[0].nu.dtype  # the new state, rounded back
       dtype(bfloat16)
     """
-    inner = optax.with_extra_args_support(inner)  # type: ignore[attr-defined]
+    inner = checked_transformation(inner, _OWNER)
     dtype_of = _dtype_rule(dtype)
     if rounding not in _ROUNDINGS:
         raise ValueError(
@@ -145,7 +145,12 @@ def low_precision_state(
                 f"{_OWNER}.update: the state must be the LowPrecisionState that "
                 f"{_OWNER}'s init made, got {type(state).__name__}"
             )
-        wide = jax.tree.map(_widened, state.inner_state)
+        # The leaves stored narrow, widened; those the rule keeps (a scalar, a remedy's
+        # record of its weights' dtype) reach inner as it made them.
+        wide = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: _widened(leaf) if dtype_of(path, leaf) is not None else leaf,
+            state.inner_state,
+        )
         new_updates, new_inner = inner.update(updates, wide, params, **extra_args)
         stored = _update_types(inner, updates, state.inner_state, params, extra_args)
         if stored is not None:
@@ -218,8 +223,8 @@ def _update_types(
 def _dtype_rule(dtype: Any) -> Callable[[Any, Any], np.dtype[Any] | None]:
     """`dtype` as a function of a leaf's path and value giving a stored dtype or None."""
     try:
-        fixed = jnp.dtype(dtype) if dtype is not None else None
-    except TypeError:
+        fixed = None if dtype is None or is_array(dtype) else jnp.dtype(dtype)
+    except (TypeError, ValueError):  # (a PRNG key given as the dtype: ValueError)
         fixed = None
     if fixed is None and callable(dtype):
 
@@ -234,8 +239,8 @@ def _dtype_rule(dtype: Any) -> Callable[[Any, Any], np.dtype[Any] | None]:
 
 def _stored(dtype: Any, what: str) -> np.dtype[Any]:
     try:
-        result: np.dtype[Any] | None = jnp.dtype(dtype)
-    except TypeError:
+        result: np.dtype[Any] | None = None if is_array(dtype) else jnp.dtype(dtype)
+    except (TypeError, ValueError):
         result = None
     if result is None or result not in _STORED:
         raise (TypeError if result is None else ValueError)(

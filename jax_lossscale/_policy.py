@@ -351,8 +351,8 @@ def floating_dtype(dtype: Any, owner: str, name: str) -> np.dtype[Any]:
                 f"{owner}({name}={describe(dtype)}): {name} is a dtype, not a policy string; "
                 f"parse a policy string with jls.get_policy({describe(dtype)})"
             )
-    try:
-        result: np.dtype[Any] | None = jnp.dtype(dtype)
+    try:  # (an array is not its dtype)
+        result: np.dtype[Any] | None = None if is_array(dtype) else jnp.dtype(dtype)
     except (TypeError, ValueError):
         result = None
     if result is None or dtype is None or not jnp.issubdtype(result, jnp.floating):

@@ -994,3 +994,21 @@ def test_kahan_buffers_are_placed_as_their_weights():
         assert len(buffers) == 2
         for buffer in buffers:
             assert buffer.sharding.is_equivalent_to(sharding, 1), buffer.sharding
+
+
+def test_kahan_state_of_another_shape_is_an_error_naming_the_param():
+    """A resized layer, its state not made again: the shapes differ where the structure and
+    dtypes agree (before: jax's own broadcasting error, naming neither)."""
+    tx = jls.kahan_summation()
+    state = tx.init({"w": jnp.ones(3, BF16)})
+    with pytest.raises(ValueError, match=r"^kahan_summation\.update: the param") as raised:
+        tx.update({"w": jnp.ones(4, BF16)}, state, {"w": jnp.ones(4, BF16)})
+    assert str(raised.value) == (
+        "kahan_summation.update: the param ['w'] has shape (4,), but the state's buffer for it "
+        "(3,); a new model needs a new tx.init(params)"
+    )
+
+
+def test_an_array_as_the_compensation_dtype_is_an_error_naming_it():
+    with pytest.raises(TypeError, match=r"^kahan_summation\(compensation_dtype=Array\(\[0\., "):
+        jls.kahan_summation(jnp.zeros(2))

@@ -83,8 +83,9 @@ def test_in_a_cosine_schedules_tail_nearest_rounding_keeps_nu_5_7_times_too_larg
     nearest = nu_after(jls.low_precision_state(optax.adam(1e-3), rounding="nearest"))
     assert np.asarray(nearest).tolist() == [2.0**-22] * SIZE  # 5.74 times float32's
     stochastic = np.asarray(nu_after(jls.low_precision_state(optax.adam(1e-3))))
-    assert abs(stochastic.mean() / wide - 1) < 0.005
-    assert np.abs(stochastic / wide - 1).max() < 0.4  # each entry a random walk around it
+    # docs/bfloat16-weights.md: the mean 0.3% below, the farthest entry 27% off.
+    assert -0.005 < stochastic.mean() / wide - 1 < -0.001
+    assert 0.2 < np.abs(stochastic / wide - 1).max() < 0.3  # each entry a random walk around it
 
 
 def test_the_count_is_untouched_and_floating_leaves_are_stored_in_bfloat16():
@@ -326,12 +327,49 @@ def test_pmap_replicas_keep_equal_states():
         ({"dtype": "nope"}, TypeError, "(dtype='nope'): the state is stored in jnp.bfloat16"),
         ({"key": 0}, TypeError, "low_precision_state(key=0): key must be a PRNG key"),
         ({"rounding": "nearest", "key": 1}, ValueError, 'a key is for rounding="stochastic"'),
+        ({"dtype": jax.random.key(0)}, TypeError, "(dtype=Array((), dtype=key<fry>) overlaying"),
+        ({"dtype": np.zeros(2, BF16)}, TypeError, "(dtype=array([0, 0], dtype=bfloat16)): the"),
     ],
 )
 def test_a_bad_argument_is_an_error_naming_it(kwargs, error, message):
     with pytest.raises(error) as raised:
         jls.low_precision_state(optax.adam(1e-3), **kwargs)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("inner", "received"),
+    [(optax.adam, "got function; call it first, e.g. optax.adam(1e-3)"), (None, "got NoneType")],
+    ids=["uncalled", "None"],
+)
+def test_an_inner_that_is_no_transformation_is_an_error_naming_it(inner, received):
+    with pytest.raises(TypeError) as raised:
+        jls.low_precision_state(inner)
+    assert str(raised.value) == (
+        f"low_precision_state(inner={inner!r}): inner must be an optax GradientTransformation, "
+        + received
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [BF16, lambda path, leaf: None if leaf.ndim == 0 else BF16],
+    ids=["bfloat16", "function"],
+)
+def test_stochastic_rounding_inside_keeps_its_record_of_the_weights_dtype(dtype):
+    """DESIGN 3.13: composes with the remedies. `stochastic_rounding`'s record of its weights'
+    dtype is a scalar, kept as inner made it; widened with the stored leaves, it raised "the
+    param ['w'] is of dtype bfloat16, but was float32 when the state was made". The first
+    adam step is the same as bare (its moments start at 0 in any dtype)."""
+    params = {"w": jnp.full((4,), 0.5, BF16)}
+    grads = {"w": jnp.array([1e-3, -2e-3, 3e-3, 0.0], BF16)}
+    chain = optax.chain(optax.adam(1e-2), jls.stochastic_rounding(jax.random.key(1)))
+    tx = jls.low_precision_state(chain, dtype)
+    updates, state = tx.update(grads, tx.init(params), params)
+    bare_updates, bare_state = chain.update(grads, chain.init(params), params)
+    assert_bits_equal(updates, bare_updates)
+    assert_bits_equal(state.inner_state[1], bare_state[1])  # the record and the key
+    assert state.inner_state[0][0].nu["w"].dtype == BF16
 
 
 def test_a_dtype_function_giving_a_bad_dtype_is_an_error_naming_the_leaf():

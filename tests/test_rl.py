@@ -85,7 +85,10 @@ def test_grpo_in_float16_learns_and_its_scale_grows_on_schedule(grpo_float16):
     assert log2_scales[:21] == [15 + (step + 1) // 4 for step in range(21)]
     assert max(log2_scales) == 20
     skips = np.diff([0.0, *history["skipped"]])
-    assert 1 <= skips.sum() <= 3
+    skipped = np.flatnonzero(skips)  # [21, 29] with jax 0.10 here
+    assert 1 <= len(skipped) <= 3
+    assert skipped[0] > 20
+    assert all(5 <= gap <= 8 for gap in np.diff(skipped))  # docs/rl.md: one step in 5 to 8
     for step in np.flatnonzero(skips):
         assert (log2_scales[step - 1], log2_scales[step]) == (20, 19)
     assert history["clip_fraction"] == [0.0] * 30  # the mismatch never reaches the clip
