@@ -114,8 +114,10 @@ def check_not_stuck(
       max_consecutive_skips: how many skipped steps in a row make a run stuck, >= 1: a
         Python int or a concrete integer array of shape () (`jnp.int32(5)`).
       non_finite_counts: optionally, `count_non_finite` of the last step's gradients,
-        returned by the step; the message then names the leaves that overflowed, and,
-        where they hold flax's fp8 meta state, the fp8 layer that overflows in float16.
+        returned by the step; the message then names the leaves that overflowed, and
+        where flax's fp8 meta state is among them, what that tells: an inf or NaN that
+        reached fp8 layers (the other gradients finite), or an fp8 layer with
+        dtype=float16 that overflows in its matmuls (the other gradients too).
       on_stuck: `"raise"` a `LossScaleStuckError`, or `"warn"` (a `RuntimeWarning`) and
         go on.
 
@@ -171,7 +173,8 @@ def check_not_stuck(
     # The last step was skipped; its grad_norm tells how (the totals are the whole run's):
     # NaN or +inf for an overflow, finite for a spike.
     norms = np.asarray(jax.device_get(stats.grad_norm))
-    if counts["spike"] > 0 and np.all(np.isfinite(norms)):
+    meta = [path for path in paths or {} if OVERWRITE_WITH_GRADIENT in path.split("/")]
+    if counts["spike"] > 0 and np.all(np.isfinite(norms)) and not paths:
         message += (
             "; the last step was skipped as a spike, with finite gradients and a grad_norm of "
             f"{float(np.max(norms))!r}; a norm above skip_grad_norm_above at every step is a new "
@@ -188,6 +191,13 @@ def check_not_stuck(
             "the leaves whose norms are largest (optax.tree.norm of each), and scale the loss "
             "down, lower the learning rate, or restore a checkpoint from before"
         )
+    elif meta and len(meta) == len(paths or {}) and np.all(np.isfinite(norms)):
+        message += (
+            f"; the gradients were finite (a grad_norm of {float(np.max(norms))!r}), but new fp8 "
+            "meta values were not, whatever the scale: an inf or NaN reached those layers (fp8 "
+            "casts saturate, so the loss stayed finite); find where it enters them, in the data "
+            "or the op before (jax_debug_nans on the forward pass), and compute that in float32"
+        )
     else:
         message += (
             "; they are not finite whatever the scale (a NaN or an infinity, or a grad_norm "
@@ -195,7 +205,7 @@ def check_not_stuck(
             "(count_non_finite on the gradients, jax_debug_nans on the forward pass) and "
             "compute it in float32, lower the learning rate, or restore a checkpoint from before"
         )
-        if non_finite_counts is not None and _holds_fp8_meta(non_finite_counts):
+        if meta:
             message += (
                 "; the gradients hold fp8 meta state ('_overwrite_with_gradient'): flax's "
                 "Fp8DirectDotGeneralOp with dtype=float16 overflows float16 in its matmuls once "
@@ -206,12 +216,3 @@ def check_not_stuck(
         raise LossScaleStuckError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     return message
-
-
-def _holds_fp8_meta(tree: PyTree) -> bool:
-    """Whether a leaf of `tree` lies under flax's fp8 meta collection."""
-    return any(
-        isinstance(key, jax.tree_util.DictKey) and key.key == OVERWRITE_WITH_GRADIENT
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-        for key in path
-    )

@@ -339,6 +339,87 @@ def test_check_not_stuck_names_the_float16_fp8_layer_that_overflows():
     assert int(jls.get_loss_scale_stats(opt_state).skipped_steps) == 0
 
 
+_META_ADVICE = (
+    "; the gradients were finite (a grad_norm of {norm!r}), but new fp8 meta values were not, "
+    "whatever the scale: an inf or NaN reached those layers (fp8 casts saturate, so the loss "
+    "stayed finite); find where it enters them, in the data or the op before (jax_debug_nans "
+    "on the forward pass), and compute that in float32"
+)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    ("case", "advice"),
+    [
+        ("inf in the inputs", "meta"),
+        ("a spike, then inf inputs", "meta"),
+        ("inf param gradient", "plain"),
+    ],
+)
+def test_check_not_stuck_on_float32_fp8_layers_says_what_overflowed(case, advice):
+    """float32 fp8 layers: an inf in the data makes the input's amax inf and nothing else (the
+    gradients stay finite); a plain param whose gradient is inf (a temperature of 0 under a
+    square root) is no fp8 matter. Before: both were given the float16 fp8 advice, whose
+    layers here are float32, and after an earlier spike the first was told to raise the spike
+    bound."""
+    variables, opt_state, step = _float32_fp8_run()
+    x, y = _FP8_BATCH
+    if case == "a spike, then inf inputs":
+        variables, opt_state, _ = step(variables, opt_state, x, y * 1e6)
+    if case == "inf param gradient":
+        variables = {**variables, "params": {**variables["params"], "temperature": 0.0}}
+    else:
+        x = x.at[0, 0].set(jnp.inf)
+    for _ in range(6):
+        variables, opt_state, counts = step(variables, opt_state, x, y)
+    with pytest.raises(jls.LossScaleStuckError) as excinfo:
+        jls.check_not_stuck(opt_state, 6, non_finite_counts=counts)
+    message = str(excinfo.value)
+    if advice == "meta":
+        norm = float(jls.get_loss_scale_stats(opt_state).grad_norm)
+        assert list(jls.non_finite_paths(counts)) == [
+            "_overwrite_with_gradient/Dense_0/Fp8DirectDotGeneralOp_0/input_amax_history"
+        ]
+        assert message.endswith(_META_ADVICE.format(norm=norm)), message
+    else:
+        assert list(jls.non_finite_paths(counts)) == ["params/temperature"]
+        assert message.endswith(_ADVICE), message
+
+
+_FP8_BATCH = (
+    jax.random.normal(jax.random.key(1), (16, 8)),
+    jnp.sum(jax.random.normal(jax.random.key(1), (16, 8)), axis=1, keepdims=True),
+)
+
+
+@functools.cache
+def _float32_fp8_run():
+    """A float32 MLP of flax's fp8 layers with a `temperature` param, and its jitted step."""
+    from flax import linen as nn
+    from flax.linen import fp8_ops
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            temperature = self.param("temperature", lambda key: jnp.float32(1.0))
+            x = nn.Dense(8, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(x)
+            out = nn.Dense(1, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)(nn.relu(x))
+            return out * jnp.sqrt(temperature)
+
+    model = MLP()
+    tx = jls.loss_scaled(optax.adam(1e-3), jls.DynamicLossScale(2.0**4), skip_grad_norm_above=1e4)
+
+    @jax.jit
+    def step(variables, opt_state, x, y):
+        loss = lambda v: jnp.mean((model.apply(v, x) - y) ** 2)  # noqa: E731
+        _, grads = jls.value_and_grad(loss, opt_state)(variables)
+        updates, opt_state = tx.update(grads, opt_state, variables)
+        return optax.apply_updates(variables, updates), opt_state, jls.count_non_finite(grads)
+
+    variables = jax.jit(model.init)(jax.random.key(0), _FP8_BATCH[0])
+    return variables, tx.init(variables), step
+
+
 def test_check_not_stuck_warns_and_goes_on_when_asked():
     opt_state, counts = _stuck_run(6, bad_steps={1, 2, 3, 4, 5})
     with pytest.warns(RuntimeWarning, match="^loss_scaled is stuck: 5 steps in a row") as record:
