@@ -228,7 +228,9 @@ def in_dtype(array: jax.Array, dtype: Any) -> jax.Array:
 
 
 def wide_dtype(dtype: Any) -> Any:
-    """`dtype` if it has 32 bits or more, else float32: the precision to compute in."""
+    """`dtype` if it has 32 bits or more, else float32: the precision to compute in (a NumPy
+    float64 leaf's is float32 where JAX has no float64, as bare optax computes it)."""
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
     return dtype if is_at_least_float32(dtype) else jnp.float32
 
 
@@ -316,7 +318,8 @@ def unscaled_dtype(dtype: Any) -> Any:
     """The dtype of an unscaled gradient of dtype `dtype`: float32 for float16, which holds
     a scaled gradient but not always the unscaled one (a true gradient of 1e-6 is subnormal
     there), the gradient's own dtype otherwise."""
-    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else dtype
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype == jnp.float16 else dtype
 
 
 def in_unscaled_dtypes(params: PyTree) -> PyTree:
@@ -360,7 +363,7 @@ def unscaled_gradients(scaled_grads: PyTree, factors: ReciprocalFactors, params:
 
 
 def _same_dtype(dtype: Any) -> Any:
-    return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _map_floating(

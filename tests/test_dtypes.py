@@ -1,6 +1,8 @@
 """Dtypes (docs/reliability.md): a float32 scale, float32 arithmetic, every leaf keeps its dtype
 but a float16 gradient, which comes back float32 from the unscale."""
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -334,3 +336,22 @@ def test_float16_params_keep_the_state_types_from_init_on_so_a_scan_carries_them
     assert new_params["w"].dtype == jnp.float16
     assert float(jls.get_loss_scale(new_state)) == 512.0  # the inf batch backed off once
     assert int(jls.get_loss_scale_stats(new_state).inf_skipped_steps) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_numpy_float64_params_and_gradients_update_as_bare_optax_without_warnings(jit):
+    """NumPy-initialised params are float64, which JAX computes in float32 (x64 off): bare
+    adam updates them silently, and so does the wrapper (before: three "float64 is not
+    available" warnings an update, from its casts to the leaves' float64)."""
+    params = {"w": np.linspace(-1.0, 1.0, 5)}
+    grads = {"w": np.linspace(0.5, 2.5, 5)}
+    bare = optax.adam(0.1)
+    tx = jls.loss_scaled(optax.adam(0.1), jls.DynamicLossScale(initial_loss_scale=4.0))
+    update = jax.jit(tx.update) if jit else tx.update
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled = jax.tree.map(lambda g: g * 4.0, grads)
+        updates, _ = update(scaled, tx.init(params), params)
+    expected, _ = (jax.jit(bare.update) if jit else bare.update)(grads, bare.init(params), params)
+    assert updates["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(updates["w"], expected["w"])

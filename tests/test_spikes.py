@@ -243,6 +243,23 @@ def test_a_squared_norm_that_overflows_only_summed_over_devices_is_an_overflow_e
         assert np.all(np.isposinf(np.asarray(stats.grad_norm))), name
         assert np.all(np.asarray(stats.loss_scale) == 0.5), name
     assert bool(jls.all_finite(grads))  # exact per entry: finite
+    # docs/distributed.md: where nothing says which leaves are shards (`pmap` of each device's
+    # rows, `shard_map` with check_vma=False), each device's rows are judged alone, as the
+    # whole gradient: their squares sum to 4.9e37, and the step is applied.
+    unchecked = jax.shard_map(
+        step(tx), mesh=mesh, in_specs=(rows, state_specs, rows), out_specs=state_specs,
+        check_vma=False,
+    )  # fmt: skip
+    alone = {
+        "shard_map, check_vma=False": jax.jit(unchecked)(params, tx.init(params), grads),
+        "pmap of rows": jax.pmap(step(tx), axis_name=AXIS)(
+            params, jax.pmap(tx.init)(params), grads
+        ),
+    }
+    for name, state in alone.items():
+        stats = jls.get_loss_scale_stats(state)
+        assert np.all(np.asarray(stats.last_step_applied)), name
+        np.testing.assert_allclose(np.asarray(stats.grad_norm), 7e18, rtol=1e-6, err_msg=name)
 
 
 # --- 2. skipping spikes ---------------------------------------------------------------------
