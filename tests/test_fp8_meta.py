@@ -371,10 +371,11 @@ def _single_device_reference(x, y):
     return WHOLE_TREE_STEP(initial_variables(), TX.init(initial_variables()), x, y)
 
 
-def _data_parallel_step(tx):
+def _data_parallel_step(tx, exact=False):
     """One device's step over the "data" axis: its loss is its share of the whole batch's
     mean, the params' gradients are summed, and the meta leaves are left to `loss_scaled`,
-    which combines them by max."""
+    which combines them by max; or, `exact`, combined by max here and taken through
+    `where_applied` (docs/integrations.md's exact route under an axis)."""
     batch_size = _batch()[0].shape[0]
 
     def step(variables, opt_state, x, y):
@@ -383,8 +384,14 @@ def _data_parallel_step(tx):
 
         _, grads = jls.value_and_grad(loss, opt_state)(variables)
         grads = {"params": jax.lax.psum(grads["params"], "data"), OWG: grads[OWG]}
+        scale_before = jls.get_loss_scale(opt_state)
         updates, opt_state = tx.update(grads, opt_state, variables)
-        return optax.apply_updates(variables, updates), opt_state
+        if not exact:
+            return optax.apply_updates(variables, updates), opt_state
+        new_meta = jax.lax.pmax(grads[OWG], "data")
+        meta = jls.where_applied(opt_state, new_meta, variables[OWG], scale_before=scale_before)
+        params = optax.apply_updates(variables["params"], updates["params"])
+        return {"params": params, OWG: meta}, opt_state
 
     return step
 
@@ -407,6 +414,14 @@ def test_pmap_replicas_agree_with_one_device_on_the_whole_batch():
     chex.assert_trees_all_close(first, expected, rtol=1e-6, atol=0)
     assert float(_layer(first)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
     assert float(_layer(first)["output_grad_amax_history"][0]) == 36.0
+    # The exact route, the collection combined by max first: the whole batch's amaxes too.
+    exact_step = jax.pmap(
+        _data_parallel_step(tx, exact=True), axis_name="data", in_axes=(None, None, 0, 0)
+    )
+    exact = exact_step(initial_variables(), tx.init(initial_variables()), *shards)[0]
+    exact = jax.tree.map(lambda leaf: np.asarray(leaf)[n - 1], exact)
+    chex.assert_trees_all_close(exact, first, rtol=1e-6, atol=0)
+    assert float(_layer(exact)["input_amax_history"][0]) == np.float32(INPUT_AMAX)
 
     # One device's inf pixel skips the step on every device, the meta kept everywhere.
     bad = jnp.asarray(x_inf.reshape(n, -1, 8)[::-1]), jnp.asarray(y.reshape(n, -1, 1)[::-1])
