@@ -49,7 +49,7 @@ class LossScaleStats(NamedTuple):
     their squares add up past the float32 maximum, a norm above about 1.8e19), from the
     pass that checks them. A step whose `grad_norm` is not finite is an overflow, on every
     platform and in every distribution: a `DynamicLossScale` skips it and backs off. The
-    squares are float32, as `optax.global_norm` takes them: an entry below about 1.1e-19
+    squares are float32, as `optax.tree.norm` takes them: an entry below about 1.1e-19
     (2**-63) squares to below float32's normal range and adds nothing, so gradients that
     small throughout (float32 or bfloat16 ones; no float16 gradient unscales that small at
     a scale below 2**39) read a `grad_norm` of 0.

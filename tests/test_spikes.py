@@ -88,14 +88,14 @@ def test_grad_norm_is_zero_before_the_first_step_inf_after_an_overflow_nan_after
 
 @pytest.mark.parametrize(("entry", "norm"), [(2.0**-60, 2.0**-55), (2.0**-80, 0.0)])
 def test_entries_too_small_to_square_in_float32_add_nothing_as_in_optax(entry, norm):
-    """The squares are float32, as `optax.global_norm` takes them (LossScaleStats): 1,024
+    """The squares are float32, as `optax.tree.norm` takes them (LossScaleStats): 1,024
     entries of 2**-60 give 2**-55, of 2**-80 (squares of 2**-160, below every float32) 0."""
     tx = jls.loss_scaled(optax.sgd(1.0), jls.FixedLossScale(1.0))
     params = {"w": jnp.zeros(1024)}
     grads = {"w": jnp.full(1024, entry, jnp.float32)}
     _, opt_state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert float(jls.get_loss_scale_stats(opt_state).grad_norm) == norm
-    assert float(optax.global_norm(grads)) == norm
+    assert float(optax.tree.norm(grads)) == norm
 
 
 def test_finite_gradients_whose_squared_norm_overflows_are_an_overflow():
