@@ -5,6 +5,7 @@ protocol they check.
 """
 
 import abc
+import dataclasses
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
@@ -68,12 +69,14 @@ class LossScale(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name in _FINAL:
-            if name in cls.__dict__:
+            if getattr(cls, name) is not LossScale.__dict__[name]:  # (a mixin's too)
                 raise TypeError(
                     f"{cls.__name__} defines {name}, which LossScale keeps final: a loss scale "
                     "writes its rule as adjust(state, grads_finite), which update calls after "
                     "the finite test and loss_scaled calls after its own"
                 )
+        if "__call__" in cls.__dict__:
+            cls.__call__ = _returning_the_field(cls.__dict__["__call__"])  # type: ignore[method-assign]
         jax.tree_util.register_static(cls)
 
     @abc.abstractmethod
@@ -147,7 +150,7 @@ class LossScale(abc.ABC):
         check_array_leaves(grads, arg_name="grads", caller=caller)
         check_axis_name(axis_name, caller=caller)
         new_state, should_apply = self.adjust(state, finite_flag(grads, axis_name))
-        check_should_apply(self, should_apply, caller, method="adjust")
+        check_adjusted(self, new_state, should_apply, caller)
         return new_state, should_apply
 
     @abc.abstractmethod
@@ -270,10 +273,12 @@ def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
     except AttributeError:
         found = "none"
     else:
-        if scale.shape == () and scale.dtype == np.float32:
+        if scale.shape == () and scale.dtype == np.float32 and not scale.weak_type:
             _check_call_returns_the_field(loss_scale, caller)
             return
         found = f"dtype {scale.dtype} and shape {scale.shape}"
+        if scale.weak_type:  # jnp.asarray(8.0): the first step would give a strong one back
+            found += ", weakly typed (make it with jnp.float32(...))"
     state_type = type(jax.eval_shape(loss_scale.init)).__name__
     raise TypeError(
         f"{caller}(loss_scale={describe(loss_scale)}): the state of a LossScale must hold "
@@ -283,14 +288,42 @@ def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
     )
 
 
+def _returning_the_field(call: Any) -> Any:
+    """A subclass's own `__call__`, made to return the state's `loss_scale`, by which the
+    wrapper unscales: a value of `call` that differs from it is an error where both are
+    known (eagerly, and on the initial state when `loss_scaled` is built), and traced, the
+    field is what the loss is scaled by, whatever `call` computes from the state."""
+
+    @functools.wraps(call)
+    def returning_the_field(self: LossScale, state: PyTree) -> jax.Array:
+        called, held = call(self, state), scale_of(self, state)
+        name = type(self).__name__
+        if not is_scalar_array(called, np.float32):
+            raise TypeError(
+                f"{name}.__call__ must return a float32 scalar array, got {describe_array(called)}"
+            )
+        known = not isinstance(called, jax.core.Tracer) and not isinstance(held, jax.core.Tracer)
+        if known and np.asarray(called).tobytes() != np.asarray(held).tobytes():
+            raise TypeError(
+                f"{name}.__call__ returns {float(called)!r} for a state whose loss_scale is "
+                f"{float(held)!r}; the loss is multiplied by loss_scale (get_loss_scale, "
+                "value_and_grad) and the gradients divided by it, so __call__ must return "
+                "state.loss_scale (or be left to LossScale)"
+            )
+        return held
+
+    return returning_the_field
+
+
 def _check_call_returns_the_field(loss_scale: LossScale, caller: str) -> None:
     """Raises when a subclass's own `__call__` gives another scale than the state's field
     (on the initial state, computed here even inside a traced function)."""
     if type(loss_scale).__call__ is LossScale.__call__:
         return
+    call = type(loss_scale).__call__.__wrapped__  # type: ignore[attr-defined]  # its own
     with jax.ensure_compile_time_eval():
         state = loss_scale.init()
-        called, held = loss_scale(state), state.loss_scale
+        called, held = call(loss_scale, state), state.loss_scale
     if not is_scalar_array(called, np.float32):
         raise TypeError(
             f"{type(loss_scale).__name__}.__call__ must return a float32 scalar array, got "
@@ -310,14 +343,22 @@ def _is_named_tuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
-def check_should_apply(
-    loss_scale: LossScale, should_apply: Any, caller: str, method: str = "adjust"
-) -> None:
-    """Raises unless `adjust` returned `should_apply` as a bool scalar array."""
+def check_adjusted(loss_scale: LossScale, new_state: Any, should_apply: Any, caller: str) -> None:
+    """Raises unless `adjust` returned a state like `init`'s (its types, dtypes and shapes: a
+    float16 scale never appears) and `should_apply` as a bool scalar array."""
+    name = type(loss_scale).__name__
+    template = _initial_state_type(loss_scale)
+    check_named_arrays(
+        new_state,
+        template,
+        where=f"{caller}: {name}.adjust",
+        label="its new state",
+        source=f"{name}.init() (adjust must keep its fields' dtypes and shapes)",
+    )
     if not is_scalar_array(should_apply, np.bool_):
         raise TypeError(
-            f"{caller}: {type(loss_scale).__name__}.{method} must return should_apply as a "
-            f"bool scalar array, got {describe(should_apply)}"
+            f"{caller}: {name}.adjust must return should_apply as a bool scalar array, got "
+            f"{describe(should_apply)}"
         )
 
 
@@ -344,3 +385,13 @@ def _initial_state_type(loss_scale: LossScale) -> Any:
 @functools.lru_cache(maxsize=128)
 def _cached_initial_state_type(loss_scale: LossScale) -> Any:
     return jax.eval_shape(loss_scale.init)
+
+
+def init_fields(loss_scale: Any) -> dict[str, Any]:
+    """A dataclass loss scale's fields that its constructor takes, by name: its config
+    (a subclass's own fields included, those computed in `__post_init__` left out)."""
+    return {
+        field.name: getattr(loss_scale, field.name)
+        for field in dataclasses.fields(loss_scale)
+        if field.init
+    }

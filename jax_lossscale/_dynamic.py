@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale import _checks
-from jax_lossscale._base import LossScale, check_loss_scale_state
+from jax_lossscale._base import LossScale, check_loss_scale_state, init_fields
 from jax_lossscale._checks import check_grads_finite
 
 
@@ -255,7 +255,7 @@ class DynamicLossScale(LossScale):
                 "numbers; build the loss scale with a number outside the traced function to "
                 "serialize it"
             )
-        return dataclasses.asdict(self)
+        return init_fields(self)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale import _checks
-from jax_lossscale._base import LossScale, check_loss_scale_state
+from jax_lossscale._base import LossScale, check_loss_scale_state, init_fields
 from jax_lossscale._checks import check_grads_finite
 
 
@@ -80,5 +80,6 @@ class FixedLossScale(LossScale):
         return self.init(), jnp.array(True)
 
     def get_config(self) -> dict[str, Any]:
-        """Returns `{"loss_scale_value": ...}`, which `from_config` takes back."""
-        return {"loss_scale_value": self.loss_scale_value}
+        """Returns `{"loss_scale_value": ...}` (and a subclass's own fields), which
+        `from_config` takes back."""
+        return init_fields(self)

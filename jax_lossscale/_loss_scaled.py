@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._base import LossScale, check_holds_scale, check_should_apply, scale_of
+from jax_lossscale._base import LossScale, check_adjusted, check_holds_scale, scale_of
 from jax_lossscale._checks import (
     check_array_leaves,
     check_axis_name,
@@ -147,7 +147,7 @@ def in_form(
                 "loss_scaled: inner already holds a loss_scaled transformation; the gradients "
                 "would be unscaled twice. Use one loss_scaled around the whole optimizer"
             )
-        loss_scale_state = loss_scale.init()
+        loss_scale_state = jax.tree.map(jnp.copy, loss_scale.init())  # its own buffers
         return LossScaledState(
             _own_arrays(inner_state, params), loss_scale_state, initial_stats(), spike_rule.init()
         )
@@ -170,7 +170,7 @@ def in_form(
         summary = meta.joined(summarize_gradients(scaled_grads, axis_name, factors, form))
         state, summary = scalars_read_together((state, summary), form)  # on a GPU: one vector
         loss_scale_state, scale_applies = loss_scale.adjust(state.loss_scale_state, summary.finite)
-        check_should_apply(loss_scale, scale_applies, "loss_scaled")
+        check_adjusted(loss_scale, loss_scale_state, scale_applies, "loss_scaled")
         spike, apply = spike_rule.decide(summary, loss, state.spike_windows, scale_applies)
         apply = meta.gated(apply)  # a non-finite new meta value is skipped under every scale
 

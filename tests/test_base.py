@@ -231,3 +231,189 @@ def test_loss_scaled_names_adjust_when_it_returns_a_bad_should_apply():
     message = "loss_scaled: FloatApply.adjust must return should_apply as a bool scalar array"
     with pytest.raises(TypeError, match=re.escape(message)):
         tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+
+
+# --- the extension surface, as a subclass writes it ---------------------------------------
+
+
+class _ScaleAndStep(NamedTuple):
+    loss_scale: jax.Array
+    step: jax.Array
+
+
+def test_a_final_method_from_a_mixin_is_refused():
+    """DESIGN: update, scale and unscale are final. A mixin placed before LossScale defined
+    them unseen: scaled by 32 and unscaled by 16, silently."""
+
+    class Mixin:
+        def scale(self, state, tree):
+            return tree * state.loss_scale * 4
+
+    with pytest.raises(TypeError, match=r"^Mixed defines scale, which LossScale keeps final"):
+
+        @dataclasses.dataclass(frozen=True, eq=False)
+        class Mixed(Mixin, jls.DynamicLossScale):
+            pass
+
+
+def test_a_call_that_drifts_from_the_field_is_an_error_eagerly_and_the_field_when_traced():
+    """A `__call__` that equals the field on the initial state only: after a step the loss was
+    scaled by it and the gradients unscaled by the field (updates -3, -6, -9 where -3 is
+    right). Eagerly it raises; traced, `ls(state)` is the field, and every update is -3."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Drifting(jls.LossScale):
+        def init(self):
+            return _ScaleAndStep(jnp.float32(8.0), jnp.int32(0))
+
+        def __call__(self, state):
+            return state.loss_scale * (1 + state.step).astype(jnp.float32)
+
+        def adjust(self, state, grads_finite):
+            return state._replace(step=state.step + 1), grads_finite
+
+        def get_config(self):
+            return {}
+
+    ls = Drifting()
+    tx = jls.loss_scaled(optax.sgd(1.0), ls)
+    params = {"w": jnp.ones(1)}
+
+    @jax.jit
+    def step(params, opt_state):
+        scale = ls(opt_state.loss_scale_state)
+        grads = jax.grad(lambda p: 3 * p["w"].sum() * scale)(params)
+        return tx.update(grads, opt_state, params)
+
+    opt_state = tx.init(params)
+    for _ in range(3):
+        updates, opt_state = step(params, opt_state)
+        assert_bits_equal(updates["w"], jnp.array([-3.0]))
+    with pytest.raises(TypeError) as excinfo:
+        ls(opt_state.loss_scale_state)
+    assert str(excinfo.value) == (
+        "Drifting.__call__ returns 32.0 for a state whose loss_scale is 8.0; the loss is "
+        "multiplied by loss_scale (get_loss_scale, value_and_grad) and the gradients divided "
+        "by it, so __call__ must return state.loss_scale (or be left to LossScale)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (
+            lambda state: _ScaleAndStep(state.loss_scale.astype(jnp.float16), state.step),
+            "loss_scaled: Broken.adjust: its new state.loss_scale must have dtype float32 (not "
+            "weakly typed), got",
+        ),
+        (
+            lambda state: (state.loss_scale, state.step),
+            "loss_scaled: Broken.adjust: its new state must be the _ScaleAndStep returned by "
+            "Broken.init()",
+        ),
+    ],
+    ids=["float16-scale", "tuple"],
+)
+def test_a_state_that_adjust_breaks_is_an_error_naming_adjust(state, message):
+    """Before: a float16 scale came back from the update ("float16 scales never appear") and
+    the next step blamed its caller's state."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Broken(jls.LossScale):
+        def init(self):
+            return _ScaleAndStep(jnp.float32(8.0), jnp.int32(0))
+
+        def adjust(self, s, grads_finite):
+            return state(s), grads_finite
+
+        def get_config(self):
+            return {}
+
+    tx = jls.loss_scaled(optax.sgd(0.1), Broken())
+    params = {"w": jnp.ones(1)}
+    with pytest.raises(TypeError, match="^" + re.escape(message)):
+        tx.update(params, tx.init(params), params)
+    with pytest.raises(TypeError, match=re.escape(message.replace("loss_scaled", "Broken.update"))):
+        Broken().update(Broken().init(), params)
+
+
+def test_a_subclass_of_fixed_loss_scale_round_trips_its_own_fields():
+    @jls.register
+    @dataclasses.dataclass(frozen=True)
+    class WarmFixed(jls.FixedLossScale):
+        warmup: int = 0
+
+    ls = WarmFixed(8.0, warmup=100)
+    assert ls.get_config() == {"loss_scale_value": 8.0, "warmup": 100}
+    assert jls.deserialize(jls.serialize(ls)) == ls
+
+
+def test_a_field_computed_after_init_stays_out_of_the_config():
+    @jls.register
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Twice(jls.DynamicLossScale):
+        twice: int = dataclasses.field(init=False, default=0)
+
+        def __post_init__(self):
+            super().__post_init__()
+            object.__setattr__(self, "twice", 2 * self.increment_period)
+
+    ls = Twice(increment_period=3)
+    assert "twice" not in ls.get_config()
+    assert jls.deserialize(jls.serialize(ls)).twice == 6
+
+
+def test_a_state_array_init_reuses_is_the_wrappers_own_so_the_state_donates():
+    """`init` returning one array in two fields, or a module constant: the first donated step
+    failed ("donate the same buffer twice") or deleted the constant."""
+    scale = jnp.float32(8.0)
+
+    class Shared(NamedTuple):
+        loss_scale: jax.Array
+        good: jax.Array
+        bad: jax.Array
+
+    @dataclasses.dataclass(frozen=True)
+    class Reusing(jls.LossScale):
+        def init(self):
+            zero = jnp.zeros((), jnp.int32)
+            return Shared(scale, zero, zero)
+
+        def adjust(self, state, grads_finite):
+            return state._replace(good=state.good + 1), grads_finite
+
+        def get_config(self):
+            return {}
+
+    tx = jls.loss_scaled(optax.sgd(0.1), Reusing())
+    params = {"w": jnp.ones(1)}
+    step = jax.jit(lambda opt_state: tx.update(params, opt_state, params)[1], donate_argnums=0)
+    opt_state = step(step(tx.init(params)))
+    assert int(opt_state.loss_scale_state.good) == 2
+    assert not scale.is_deleted()
+
+
+def test_a_weakly_typed_scale_from_init_is_refused_when_the_wrapper_is_built():
+    """`jnp.asarray(8.0)` is weakly typed: taken, it was refused at the first `ls(state)` with
+    advice to build the state with the `init` that made it."""
+
+    class Held(NamedTuple):
+        loss_scale: jax.Array
+
+    @dataclasses.dataclass(frozen=True)
+    class Weak(jls.LossScale):
+        def init(self):
+            return Held(jnp.asarray(8.0))
+
+        def adjust(self, state, grads_finite):
+            return state, grads_finite
+
+        def get_config(self):
+            return {}
+
+    with pytest.raises(TypeError) as excinfo:
+        jls.loss_scaled(optax.sgd(0.1), Weak())
+    assert str(excinfo.value).endswith(
+        "Weak.init() returns Held with loss_scale of dtype float32 and shape (), weakly typed "
+        "(make it with jnp.float32(...))"
+    )
