@@ -113,7 +113,7 @@ class DynamicLossScale(LossScale):
         ) -> None:
             value = getattr(self, name)
             if not (optional and value is None):
-                object.__setattr__(self, name, check("DynamicLossScale", name, value))
+                object.__setattr__(self, name, check(type(self).__name__, name, value))
 
         normalize("initial_loss_scale", _checks.traced_or_positive_real)
         normalize("increment_period", _checks.integer)
@@ -128,7 +128,7 @@ class DynamicLossScale(LossScale):
             used = getattr(self, name)
             if used != received[name]:
                 requirement += f" (it rounds to {used!r} in float32)"
-            _checks.fail("DynamicLossScale", name, received[name], requirement)
+            _checks.fail(type(self).__name__, name, received[name], requirement)
 
         if self.multiplier <= 1:
             fail("multiplier", "> 1")

@@ -51,9 +51,9 @@ class FixedLossScale(LossScale):
     loss_scale_value: float
 
     def __post_init__(self) -> None:
-        value = _checks.real("FixedLossScale", "loss_scale_value", self.loss_scale_value)
+        value = _checks.real(type(self).__name__, "loss_scale_value", self.loss_scale_value)
         if value < 1:
-            _checks.fail("FixedLossScale", "loss_scale_value", self.loss_scale_value, ">= 1")
+            _checks.fail(type(self).__name__, "loss_scale_value", self.loss_scale_value, ">= 1")
         object.__setattr__(self, "loss_scale_value", value)
 
     def init(self) -> FixedLossScaleState:

@@ -417,3 +417,18 @@ def test_a_weakly_typed_scale_from_init_is_refused_when_the_wrapper_is_built():
         "Weak.init() returns Held with loss_scale of dtype float32 and shape (), weakly typed "
         "(make it with jnp.float32(...))"
     )
+
+
+def test_a_subclass_s_bad_hyperparameter_is_named_with_the_subclass():
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Capped(jls.DynamicLossScale):
+        cap: float = 1e6
+
+    @dataclasses.dataclass(frozen=True)
+    class Floor(jls.FixedLossScale):
+        pass
+
+    with pytest.raises(ValueError, match=r"^Capped\(increment_period=0\): increment_period must"):
+        Capped(increment_period=0)
+    with pytest.raises(ValueError, match=r"^Floor\(loss_scale_value=0\.5\): loss_scale_value"):
+        Floor(0.5)
