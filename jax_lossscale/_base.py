@@ -240,8 +240,11 @@ class LossScale(abc.ABC):
             return super().__new__(cls)
 
         def __getattr__(self, name):
-            # Called only for attributes not found: another library's (jmp's `.loss_scale`,
-            # `.counter`) gets a message saying where the value is here.
+            # Called for attributes not found: another library's (jmp's `.loss_scale`,
+            # `.counter`) gets a message saying where the value is here. And for a property
+            # that raised AttributeError itself: that error, raised again.
+            if any(name in cls.__dict__ for cls in type(self).__mro__):
+                return object.__getattribute__(self, name)
             raise peer_attribute_error(self, name)
 
 

@@ -432,3 +432,14 @@ def test_a_subclass_s_bad_hyperparameter_is_named_with_the_subclass():
         Capped(increment_period=0)
     with pytest.raises(ValueError, match=r"^Floor\(loss_scale_value=0\.5\): loss_scale_value"):
         Floor(0.5)
+
+
+def test_an_attribute_error_inside_a_subclass_s_property_names_what_is_missing():
+    @dataclasses.dataclass(frozen=True)
+    class Typo(jls.FixedLossScale):
+        @property
+        def doubled(self):
+            return self.loss_scale_vlaue * 2
+
+    with pytest.raises(AttributeError, match="'Typo' object has no attribute 'loss_scale_vlaue'"):
+        _ = Typo(4.0).doubled
