@@ -377,6 +377,16 @@ def _initial_state_type(loss_scale: LossScale) -> Any:
     try:
         hash(loss_scale)
     except TypeError:
+        traced = [
+            name for name, value in vars(loss_scale).items() if isinstance(value, jax.core.Tracer)
+        ]
+        if traced:
+            raise TypeError(
+                f"{type(loss_scale).__name__} holds a traced {traced[0]}, and a dataclass's own "
+                "__hash__ and __eq__ cannot take it (jax.jit hashes a loss scale as a static "
+                "value); keep those of DynamicLossScale, which leave traced values out: "
+                "@dataclasses.dataclass(frozen=True, eq=False)"
+            ) from None
         raise TypeError(
             f"{type(loss_scale).__name__} is not hashable: a LossScale holds hyperparameters "
             "only, and is hashed where jax.jit takes it as a static value; make it a frozen "
