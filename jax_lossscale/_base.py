@@ -240,9 +240,8 @@ class LossScale(abc.ABC):
             return super().__new__(cls)
 
         def __getattr__(self, name):
-            # Called for attributes not found: another library's (jmp's `.loss_scale`,
-            # `.counter`) gets a message saying where the value is here. And for a property
-            # that raised AttributeError itself: that error, raised again.
+            # An attribute of another library (jmp's `.counter`) gets a message saying where
+            # the value is here; a property that raised AttributeError, that error again.
             if any(name in cls.__dict__ for cls in type(self).__mro__):
                 return object.__getattribute__(self, name)
             raise peer_attribute_error(self, name)
@@ -293,9 +292,8 @@ def check_holds_scale(loss_scale: LossScale, caller: str) -> None:
 
 def _returning_the_field(call: Any) -> Any:
     """A subclass's own `__call__`, made to return the state's `loss_scale`, by which the
-    wrapper unscales: a value of `call` that differs from it is an error where both are
-    known (eagerly, and on the initial state when `loss_scaled` is built), and traced, the
-    field is what the loss is scaled by, whatever `call` computes from the state."""
+    wrapper unscales: a value of `call` that differs is an error where both are known, and
+    traced, the field is what the loss is scaled by, whatever `call` computes."""
 
     @functools.wraps(call)
     def returning_the_field(self: LossScale, state: PyTree) -> jax.Array:
@@ -350,14 +348,10 @@ def check_adjusted(loss_scale: LossScale, new_state: Any, should_apply: Any, cal
     """Raises unless `adjust` returned a state like `init`'s (its types, dtypes and shapes: a
     float16 scale never appears) and `should_apply` as a bool scalar array."""
     name = type(loss_scale).__name__
+    source = f"{name}.init() (adjust must keep its fields' dtypes and shapes)"
+    where = f"{caller}: {name}.adjust"
     template = _initial_state_type(loss_scale)
-    check_named_arrays(
-        new_state,
-        template,
-        where=f"{caller}: {name}.adjust",
-        label="its new state",
-        source=f"{name}.init() (adjust must keep its fields' dtypes and shapes)",
-    )
+    check_named_arrays(new_state, template, where=where, label="its new state", source=source)
     if not is_scalar_array(should_apply, np.bool_):
         raise TypeError(
             f"{caller}: {name}.adjust must return should_apply as a bool scalar array, got "
@@ -377,9 +371,7 @@ def _initial_state_type(loss_scale: LossScale) -> Any:
     try:
         hash(loss_scale)
     except TypeError:
-        traced = [
-            name for name, value in vars(loss_scale).items() if isinstance(value, jax.core.Tracer)
-        ]
+        traced = [k for k, v in vars(loss_scale).items() if isinstance(v, jax.core.Tracer)]
         if traced:
             raise TypeError(
                 f"{type(loss_scale).__name__} holds a traced {traced[0]}, and a dataclass's own "
@@ -401,10 +393,5 @@ def _cached_initial_state_type(loss_scale: LossScale) -> Any:
 
 
 def init_fields(loss_scale: Any) -> dict[str, Any]:
-    """A dataclass loss scale's fields that its constructor takes, by name: its config
-    (a subclass's own fields included, those computed in `__post_init__` left out)."""
-    return {
-        field.name: getattr(loss_scale, field.name)
-        for field in dataclasses.fields(loss_scale)
-        if field.init
-    }
+    """A dataclass loss scale's config: the fields its constructor takes, a subclass's too."""
+    return {f.name: getattr(loss_scale, f.name) for f in dataclasses.fields(loss_scale) if f.init}
