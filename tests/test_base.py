@@ -445,6 +445,17 @@ def test_an_attribute_error_inside_a_subclass_s_property_names_what_is_missing()
         _ = Typo(4.0).doubled
 
 
+def _scale_of_a_state_built_in_jit(cls):
+    """A jitted function building `loss_scaled` with `cls` from a traced initial scale."""
+
+    @jax.jit
+    def scale_of_a_fresh_state(initial):
+        tx = jls.loss_scaled(optax.sgd(1.0), cls(initial_loss_scale=initial))
+        return jls.get_loss_scale(tx.init({"w": jnp.ones(1)}))
+
+    return scale_of_a_fresh_state
+
+
 def test_a_subclass_re_deriving_eq_built_with_a_traced_scale_is_told_to_keep_eq_false():
     """`@dataclass(frozen=True)` writes a `__hash__` over every field, a traced scale too;
     the message said to make it a frozen dataclass, which it was."""
@@ -453,13 +464,8 @@ def test_a_subclass_re_deriving_eq_built_with_a_traced_scale_is_told_to_keep_eq_
     class Capped(jls.DynamicLossScale):
         cap: float = 1e6
 
-    @jax.jit
-    def scale_of_a_fresh_state(initial):
-        tx = jls.loss_scaled(optax.sgd(1.0), Capped(initial_loss_scale=initial))
-        return jls.get_loss_scale(tx.init({"w": jnp.ones(1)}))
-
     with pytest.raises(TypeError) as excinfo:
-        scale_of_a_fresh_state(jnp.float32(64.0))
+        _scale_of_a_state_built_in_jit(Capped)(jnp.float32(64.0))
     assert str(excinfo.value).startswith(
         "Capped holds a traced initial_loss_scale, and a dataclass's own __hash__ and __eq__ "
         "cannot take it (jax.jit hashes a loss scale as a static value); keep those of "
@@ -471,9 +477,4 @@ def test_a_subclass_re_deriving_eq_built_with_a_traced_scale_is_told_to_keep_eq_
     class Kept(jls.DynamicLossScale):
         cap: float = 1e6
 
-    @jax.jit
-    def kept_scale(initial):
-        tx = jls.loss_scaled(optax.sgd(1.0), Kept(initial_loss_scale=initial))
-        return jls.get_loss_scale(tx.init({"w": jnp.ones(1)}))
-
-    assert float(kept_scale(jnp.float32(64.0))) == 64.0
+    assert float(_scale_of_a_state_built_in_jit(Kept)(jnp.float32(64.0))) == 64.0
